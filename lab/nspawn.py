@@ -1,0 +1,469 @@
+"""The lab host: a real Debian 12 machine booted with systemd-nspawn.
+
+systemd runs as PID 1 inside, sshd listens on a loopback address and port of
+the lab's own, and a loop-attached ext4 image is bound in as the model disk.
+Ansible reaches it over SSH with a key the lab generates, exactly as it would
+reach a real host. All state of a lab lives in `.lab/<name>/`; several labs
+with different names can run side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+LABS_DIR = Path(os.environ.get("GPTOSS_LAB_DIR", PROJECT_ROOT / ".lab"))
+CACHE_DIR = Path(os.environ.get("GPTOSS_CACHE_DIR", PROJECT_ROOT / ".cache"))
+WHEELHOUSE_DIR = CACHE_DIR / "wheelhouse"
+
+# Bump when the package list or rootfs preparation changes, so stale caches are rebuilt.
+ROOTFS_VERSION = 2
+ROOTFS_PACKAGES = [
+    "systemd", "systemd-sysv", "dbus", "python3", "python3-apt", "openssh-server", "iproute2",
+    "sudo", "ca-certificates", "procps", "kmod", "e2fsprogs", "curl",
+]
+MODEL_DISK_SIZE = "2G"
+BOOT_TIMEOUT_S = 90
+STOP_TIMEOUT_S = 30
+
+
+class LabError(RuntimeError):
+    """A lab operation failed; the message says what and how to recover."""
+
+
+@dataclass
+class LabState:
+    name: str
+    address: str
+    ssh_port: int
+    lab_dir: str
+    nspawn_pid: int = 0
+    loop_device: str = ""
+    started_at: float = 0.0
+    boot_seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def root(self) -> Path:
+        return Path(self.lab_dir) / "rootfs"
+
+    @property
+    def disk_image(self) -> Path:
+        return Path(self.lab_dir) / "model-disk.img"
+
+    @property
+    def key_file(self) -> Path:
+        return Path(self.lab_dir) / "id_ed25519"
+
+    @property
+    def state_file(self) -> Path:
+        return Path(self.lab_dir) / "state.json"
+
+    @property
+    def log_file(self) -> Path:
+        return Path(self.lab_dir) / "nspawn.log"
+
+    @property
+    def machine_name(self) -> str:
+        return f"gptoss-{self.name}"
+
+    def save(self) -> None:
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        os.replace(tmp, self.state_file)
+
+
+def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    kwargs.setdefault("check", True)
+    kwargs.setdefault("text", True)
+    kwargs.setdefault("capture_output", True)
+    try:
+        return subprocess.run(cmd, **kwargs)
+    except subprocess.CalledProcessError as exc:
+        raise LabError(f"{' '.join(cmd)} failed ({exc.returncode}): {exc.stderr or exc.stdout}") from exc
+
+
+# ---------------------------------------------------------------- addresses
+
+
+def lab_dir_for(name: str) -> Path:
+    if not name.replace("-", "").replace("_", "").isalnum():
+        raise LabError(f"lab name {name!r}: use letters, digits, '-' and '_' only")
+    return LABS_DIR / name
+
+
+def load_state(name: str) -> LabState | None:
+    state_file = lab_dir_for(name) / "state.json"
+    if not state_file.exists():
+        return None
+    return LabState(**json.loads(state_file.read_text()))
+
+
+def _taken_addresses() -> set[tuple[str, int]]:
+    taken = set()
+    if LABS_DIR.exists():
+        for state_file in LABS_DIR.glob("*/state.json"):
+            data = json.loads(state_file.read_text())
+            taken.add((data["address"], data["ssh_port"]))
+    return taken
+
+
+def _port_free(address: str, port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((address, port))
+        except OSError:
+            return False
+    return True
+
+
+def allocate_address(name: str) -> tuple[str, int]:
+    """A loopback address and SSH port derived from the name, skipping ones in use."""
+    seed = zlib.crc32(name.encode())
+    taken = _taken_addresses()
+    for attempt in range(200):
+        value = seed + attempt
+        address = f"127.{100 + value % 100}.{(value // 100) % 250 + 1}.1"
+        port = 2200 + value % 700
+        if (address, port) not in taken and _port_free(address, port) and _port_free(address, 8000):
+            return address, port
+    raise LabError("no free loopback address/port for the lab")
+
+
+# ---------------------------------------------------------------- rootfs
+
+
+def debian_mirror() -> str:
+    """The Debian mirror this machine's apt already uses (never a hard-coded host)."""
+    if os.environ.get("GPTOSS_LAB_MIRROR"):
+        return os.environ["GPTOSS_LAB_MIRROR"]
+    candidates: list[str] = []
+    for path in [Path("/etc/apt/sources.list"), *sorted(Path("/etc/apt/sources.list.d").glob("*"))]:
+        if not path.is_file():
+            continue
+        text = path.read_text(errors="replace")
+        if "bookworm" not in text:
+            continue
+        for line in text.splitlines():
+            words = line.split()
+            if line.startswith("URIs:") and len(words) > 1:
+                candidates.append(words[1])
+            elif words[:1] == ["deb"] and len(words) > 2:
+                candidates.append(words[2] if not words[1].startswith("[") else words[3])
+    for uri in candidates:
+        if uri.rstrip("/").endswith("/debian"):
+            return uri
+    raise LabError("no Debian bookworm mirror found in apt sources; set GPTOSS_LAB_MIRROR")
+
+
+def rootfs_tarball() -> Path:
+    return CACHE_DIR / f"lab-rootfs-bookworm-v{ROOTFS_VERSION}.tar"
+
+
+def ensure_rootfs_cache() -> tuple[Path, bool]:
+    """Build the debootstrap rootfs once and keep it as a tarball. Returns (path, was_cached)."""
+    tarball = rootfs_tarball()
+    if tarball.exists():
+        return tarball, True
+    if shutil.which("debootstrap") is None:
+        raise LabError("debootstrap is not installed (apt-get install debootstrap systemd-container)")
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    build_dir = CACHE_DIR / f"rootfs-build-{os.getpid()}"
+    shutil.rmtree(build_dir, ignore_errors=True)
+    try:
+        run(["debootstrap", "--variant=minbase", "--include=" + ",".join(ROOTFS_PACKAGES),
+             "bookworm", str(build_dir), debian_mirror()], capture_output=True)
+        # Per-lab identity is created at lab.up, not baked into the shared cache.
+        for key in (build_dir / "etc/ssh").glob("ssh_host_*"):
+            key.unlink()
+        (build_dir / "etc/machine-id").write_text("")
+        for deb in (build_dir / "var/cache/apt/archives").glob("*.deb"):
+            deb.unlink()
+        tmp = tarball.with_suffix(".partial")
+        run(["tar", "--numeric-owner", "--xattrs", "-C", str(build_dir), "-cf", str(tmp), "."])
+        os.replace(tmp, tarball)
+    finally:
+        shutil.rmtree(build_dir, ignore_errors=True)
+    return tarball, False
+
+
+def extract_rootfs(tarball: Path, root: Path) -> None:
+    root.mkdir(parents=True)
+    run(["tar", "--numeric-owner", "--xattrs", "-C", str(root), "-xf", str(tarball)])
+
+
+def configure_rootfs(state: LabState) -> None:
+    root = state.root
+    (root / "etc/hostname").write_text(f"{state.machine_name}\n")
+    hosts = root / "etc/hosts"
+    hosts.write_text(f"127.0.0.1 localhost\n{state.address} {state.machine_name}\n")
+    sshd_dropin = root / "etc/ssh/sshd_config.d/gptoss-lab.conf"
+    sshd_dropin.write_text(
+        f"# written by lab.up: this lab's own loopback address and port\n"
+        f"Port {state.ssh_port}\nListenAddress {state.address}\n"
+        "PermitRootLogin prohibit-password\nPasswordAuthentication no\nUseDNS no\n"
+    )
+    run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"gptoss-lab-{state.name}",
+         "-f", str(state.key_file)])
+    ssh_dir = root / "root/.ssh"
+    ssh_dir.mkdir(mode=0o700, exist_ok=True)
+    authorized = ssh_dir / "authorized_keys"
+    authorized.write_text(Path(f"{state.key_file}.pub").read_text())
+    authorized.chmod(0o600)
+    run(["ssh-keygen", "-A", "-f", str(root)])
+    # apt inside the lab uses the same mirror as this machine.
+    if Path("/etc/resolv.conf").exists():
+        shutil.copy("/etc/resolv.conf", root / "etc/resolv.conf")
+    (root / "etc/apt/sources.list").write_text(
+        f"deb {debian_mirror()} bookworm main contrib non-free non-free-firmware\n"
+        f"deb {debian_mirror()} bookworm-updates main contrib non-free non-free-firmware\n"
+    )
+    # Units that cannot work in a container and only make the boot "degraded".
+    for unit in ("systemd-networkd-wait-online.service", "systemd-timesyncd.service",
+                 "apt-daily.timer", "apt-daily-upgrade.timer", "e2scrub_reap.service"):
+        link = root / "etc/systemd/system" / unit
+        if not link.exists():
+            link.symlink_to("/dev/null")
+    (root / "models").mkdir(exist_ok=True)
+
+
+def create_model_disk(state: LabState) -> str:
+    run(["truncate", "-s", MODEL_DISK_SIZE, str(state.disk_image)])
+    run(["mkfs.ext4", "-q", "-F", "-L", f"gptoss-{state.name}"[:16], str(state.disk_image)])
+    return attach_loop(state.disk_image)
+
+
+def attach_loop(image: Path) -> str:
+    return run(["losetup", "-f", "--show", str(image)]).stdout.strip()
+
+
+def loop_backing_file(device: str) -> str | None:
+    result = run(["losetup", "-n", "-O", "BACK-FILE", device], check=False)
+    return result.stdout.strip() or None if result.returncode == 0 else None
+
+
+# ---------------------------------------------------------------- processes
+
+
+def pid_alive(pid: int) -> bool:
+    return pid > 0 and Path(f"/proc/{pid}").exists()
+
+
+def is_our_nspawn(state: LabState) -> bool:
+    """True when the recorded PID is still *our* systemd-nspawn (PIDs get reused)."""
+    if not pid_alive(state.nspawn_pid):
+        return False
+    try:
+        cmdline = Path(f"/proc/{state.nspawn_pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return bool(cmdline) and cmdline[0].endswith(b"systemd-nspawn") and str(state.root).encode() in cmdline
+
+
+def init_pid(state: LabState) -> int:
+    """PID (in our namespace) of the lab's systemd: the child of systemd-nspawn."""
+    children = Path(f"/proc/{state.nspawn_pid}/task/{state.nspawn_pid}/children")
+    for pid in children.read_text().split():
+        return int(pid)
+    raise LabError(f"systemd-nspawn {state.nspawn_pid} has no child yet")
+
+
+def lab_exec(state: LabState, command: list[str], check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run a command inside the lab through its namespaces (used before SSH is up)."""
+    return run(["nsenter", "-t", str(init_pid(state)), "-a", *command], check=check, timeout=timeout)
+
+
+def wait_booted(state: LabState, timeout: float = BOOT_TIMEOUT_S) -> str:
+    deadline = time.monotonic() + timeout
+    status = "unknown"
+    while time.monotonic() < deadline:
+        if not is_our_nspawn(state):
+            tail = state.log_file.read_text(errors="replace")[-2000:] if state.log_file.exists() else ""
+            raise LabError(f"systemd-nspawn exited during boot:\n{tail}")
+        try:
+            result = lab_exec(state, ["systemctl", "is-system-running"], check=False, timeout=10)
+            status = result.stdout.strip()
+            if status in ("running", "degraded"):
+                return status
+        except (LabError, subprocess.TimeoutExpired):
+            pass
+        time.sleep(0.5)
+    raise LabError(f"lab did not finish booting in {timeout}s (last state: {status})")
+
+
+def wait_ssh(state: LabState, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ssh(state, ["true"], check=False, timeout=10).returncode == 0:
+            return
+        time.sleep(0.5)
+    raise LabError(f"sshd in the lab did not answer on {state.address}:{state.ssh_port}")
+
+
+def ssh_command(state: LabState) -> list[str]:
+    return ["ssh", "-i", str(state.key_file), "-p", str(state.ssh_port),
+            "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
+            "-o", "LogLevel=ERROR", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5",
+            f"root@{state.address}"]
+
+
+def ssh(state: LabState, command: list[str] | str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+    remote = command if isinstance(command, str) else " ".join(command)
+    return run([*ssh_command(state), remote], check=check, timeout=timeout)
+
+
+def boot(state: LabState) -> None:
+    """Start systemd-nspawn in its own session and wait for systemd and sshd."""
+    if not state.loop_device or loop_backing_file(state.loop_device) != str(state.disk_image):
+        state.loop_device = attach_loop(state.disk_image)
+    cmd = ["systemd-nspawn", "-D", str(state.root), "--boot", "--register=no", "--keep-unit",
+           "--console=passive", f"--machine={state.machine_name}", f"--bind={state.loop_device}"]
+    if WHEELHOUSE_DIR.is_dir():
+        # An offline wheelhouse, as on an air-gapped GPU host: vllm_service installs from it.
+        cmd.append(f"--bind-ro={WHEELHOUSE_DIR}:/srv/wheelhouse")
+    started = time.monotonic()
+    with open(state.log_file, "ab") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    state.nspawn_pid = proc.pid
+    state.started_at = time.time()
+    state.save()
+    # Popen can return while the child is still exec'ing (empty /proc/PID/cmdline).
+    deadline = time.monotonic() + 5
+    while not is_our_nspawn(state) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    wait_booted(state)
+    wait_ssh(state)
+    state.boot_seconds = round(time.monotonic() - started, 1)
+    state.save()
+
+
+def stop(state: LabState) -> None:
+    """Power the lab off by its recorded PID: SIGTERM asks nspawn for a clean shutdown."""
+    if is_our_nspawn(state):
+        os.kill(state.nspawn_pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while pid_alive(state.nspawn_pid) and time.monotonic() < deadline:
+            _reap(state.nspawn_pid)
+            time.sleep(0.2)
+        if pid_alive(state.nspawn_pid):
+            os.kill(state.nspawn_pid, signal.SIGKILL)
+            time.sleep(0.5)
+            _reap(state.nspawn_pid)
+    state.nspawn_pid = 0
+    state.save()
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+# ---------------------------------------------------------------- public operations
+
+
+def up(name: str) -> tuple[LabState, str]:
+    """Boot the lab `name`; a no-op if it is already running. Returns (state, what happened)."""
+    existing = load_state(name)
+    if existing and is_our_nspawn(existing):
+        return existing, "already running"
+    if existing:
+        boot(existing)
+        return existing, f"booted existing lab in {existing.boot_seconds}s"
+    t0 = time.monotonic()
+    tarball, cached = ensure_rootfs_cache()
+    t_rootfs = time.monotonic() - t0
+    lab_dir = lab_dir_for(name)
+    if lab_dir.exists():
+        raise LabError(f"{lab_dir} exists without a state file; remove it or run lab.down")
+    lab_dir.mkdir(parents=True)
+    address, port = allocate_address(name)
+    state = LabState(name=name, address=address, ssh_port=port, lab_dir=str(lab_dir))
+    try:
+        extract_rootfs(tarball, state.root)
+        configure_rootfs(state)
+        state.loop_device = create_model_disk(state)
+        state.extra = {"rootfs_cached": cached, "rootfs_seconds": round(t_rootfs, 1)}
+        state.save()
+        boot(state)
+    except BaseException:
+        destroy(state)
+        raise
+    total = round(time.monotonic() - t0, 1)
+    state.extra["up_seconds"] = total
+    state.save()
+    how = "cached rootfs" if cached else "fresh debootstrap"
+    return state, f"lab up in {total}s ({how} {t_rootfs:.1f}s, boot {state.boot_seconds}s)"
+
+
+def destroy(state: LabState) -> None:
+    stop(state)
+    if state.loop_device and loop_backing_file(state.loop_device) == str(state.disk_image):
+        run(["losetup", "-d", state.loop_device], check=False)
+    # nspawn may still be unmounting its API file systems for a moment after exit.
+    for _ in range(20):
+        shutil.rmtree(state.lab_dir, ignore_errors=True)
+        if not Path(state.lab_dir).exists():
+            break
+        time.sleep(0.25)
+
+
+def down(name: str) -> str:
+    state = load_state(name)
+    if state is None:
+        lab_dir = lab_dir_for(name)
+        if lab_dir.exists():
+            shutil.rmtree(lab_dir)
+            return f"removed leftover {lab_dir}"
+        return f"lab {name!r} is not up"
+    destroy(state)
+    return f"lab {name!r} stopped and removed"
+
+
+def restart(name: str) -> LabState:
+    """Power-cycle the lab (the container equivalent of a reboot), keeping its disks."""
+    state = load_state(name)
+    if state is None:
+        raise LabError(f"lab {name!r} is not up")
+    stop(state)
+    boot(state)
+    return state
+
+
+def status(name: str) -> dict:
+    state = load_state(name)
+    if state is None:
+        return {"name": name, "up": False}
+    running = is_our_nspawn(state)
+    info = {**asdict(state), "up": running}
+    if running:
+        info["system_state"] = lab_exec(state, ["systemctl", "is-system-running"], check=False).stdout.strip()
+    return info
+
+
+def inventory(name: str) -> dict:
+    """Ansible inventory for the lab, from its state file."""
+    state = load_state(name)
+    if state is None:
+        return {"_meta": {"hostvars": {}}, "lab": {"hosts": []}}
+    host = state.machine_name
+    hostvars = {
+        "ansible_host": state.address,
+        "ansible_port": state.ssh_port,
+        "ansible_user": "root",
+        "ansible_ssh_private_key_file": str(state.key_file),
+        "gptoss_lab_name": state.name,
+        "gptoss_lab_address": state.address,
+        "model_mount_device": state.loop_device,
+    }
+    return {"_meta": {"hostvars": {host: hostvars}}, "lab": {"hosts": [host]}}
