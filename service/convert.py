@@ -1,0 +1,749 @@
+"""Convert pytorch_model*.bin / *.pt checkpoints to verified safetensors, shard by shard, atomically.
+
+    python -m service.convert MODEL_DIR [--delete-originals] [--check] [--json] [--no-progress]
+
+Runs on the target host with the vLLM venv's python (torch + safetensors; no tqdm). See the
+"Converter" section of docs/design.md for the protocol. In short:
+
+* Every input shard becomes one output shard ``model-XXXXX-of-YYYYY.safetensors`` (1-based, also for a
+  single input), and ``model.safetensors.index.json`` is always written, last and atomically: a model
+  counts as converted only once that index exists.
+* Each shard is written to ``.NAME.tmp-PID`` in the model directory, fsynced, verified bit for bit
+  against the source tensors, renamed into place and the directory fsynced. Errors remove the temp
+  file; temp files of a killed run are removed at the next start; originals are never modified and are
+  deleted only with --delete-originals after every shard and the index verified.
+* A re-run skips output shards that already exist after verifying them against the source again.
+* Tensors sharing one storage with the same view (tied embeddings) are stored once; the other names
+  are aliases: mapped to the same file in the index and listed in the shard's ``gptoss_aliases``
+  metadata (JSON object alias -> stored name).
+
+Exit codes: 0 success, 1 conversion/validation error, 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import errno
+import json
+import os
+import re
+import shutil
+import signal
+import struct
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from service.safetensors_check import (
+    INDEX_NAME,
+    SafetensorsFormatError,
+    SafetensorsHeader,
+    aliases_of,
+    check_safetensors_dir,
+    read_header,
+)
+
+CONVERTER_ID = "gptoss-convert"
+BIN_INDEX_NAME = "pytorch_model.bin.index.json"
+SOURCE_GLOBS = ("pytorch_model*.bin", "*.pt")
+WRITE_CHUNK = 64 * 1024 * 1024
+VERIFY_CHUNK = 16 * 1024 * 1024
+# Headroom beyond the bytes the output shards will hold: headers, the index, filesystem slack.
+SPACE_MARGIN_BYTES = 8 * 1024 * 1024
+SPACE_MARGIN_FRACTION = 0.01
+# Test hook: when set to an event name the process prints "stop-point: EVENT" and SIGSTOPs itself,
+# so tests can kill it (or fill the disk) at an exact point. Events: "after-space-check",
+# "partial:N" (shard N's temp file is half written).
+STOP_AT_ENV = "GPTOSS_CONVERT_STOP_AT"
+TEMP_RE = re.compile(r"^\..+\.tmp-(\d+)$")
+ZIP_MAGIC = b"PK\x03\x04"
+MADV_DONTNEED = 4
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.complex64: "C64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+}
+if hasattr(torch, "float8_e8m0fnu"):
+    TORCH_TO_SAFETENSORS[torch.float8_e8m0fnu] = "F8_E8M0"
+
+
+class ConversionError(Exception):
+    """A conversion or validation failure; the message names the file involved."""
+
+
+@dataclass
+class SourceShard:
+    """One input checkpoint file and the output shard it becomes (filled by the preflight pass)."""
+
+    path: Path
+    output_name: str
+    file_bytes: int
+    stored_bytes: int = 0
+    names: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ShardPlan:
+    """What goes into one output shard: stored tensors (in file order) and alias -> stored name."""
+
+    tensors: list[tuple[str, torch.Tensor]]
+    aliases: dict[str, str]
+    mmap_backed: bool
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.tensors)
+
+
+@dataclass
+class Outcome:
+    changed: bool
+    action: str
+    shards: int
+    nbytes: int
+    seconds: float
+    files: list[str]
+    summary: str
+
+    def as_json(self) -> dict:
+        return {
+            "changed": self.changed,
+            "action": self.action,
+            "shards": self.shards,
+            "bytes": self.nbytes,
+            "seconds": round(self.seconds, 3),
+            "files": self.files,
+        }
+
+
+class Progress:
+    """A one-line byte progress bar on stderr (tqdm is not on the host)."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total = max(total, 1)
+        self.enabled = enabled
+        self.done = 0
+        self.label = ""
+        self.started = time.monotonic()
+        self.last_draw = 0.0
+
+    def advance(self, nbytes: int, label: str) -> None:
+        self.done += nbytes
+        self.label = label
+        now = time.monotonic()
+        if self.enabled and (now - self.last_draw >= 0.1 or self.done >= self.total):
+            self.last_draw = now
+            self._draw(now)
+
+    def _draw(self, now: float) -> None:
+        fraction = min(self.done / self.total, 1.0)
+        filled = int(fraction * 30)
+        rate = self.done / max(now - self.started, 1e-9) / 1e6
+        sys.stderr.write(
+            f"\r{self.label:<32.32} [{'#' * filled}{'.' * (30 - filled)}] {fraction * 100:5.1f}% "
+            f"{self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB {rate:6.0f} MB/s"
+        )
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.last_draw:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+# ---------------------------------------------------------------- small OS helpers
+
+
+def _stop_point(event: str) -> None:
+    if os.environ.get(STOP_AT_ENV) == event:
+        print(f"stop-point: {event}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _temp_path(final: Path) -> Path:
+    return final.with_name(f".{final.name}.tmp-{os.getpid()}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temp_files(model_dir: Path) -> list[Path]:
+    """Temp files whose writer is gone are leftovers of a killed run: remove them."""
+    removed = []
+    for path in model_dir.iterdir():
+        match = TEMP_RE.match(path.name)
+        if match and path.is_file() and not _pid_alive(int(match.group(1))):
+            path.unlink()
+            removed.append(path)
+    if removed:
+        _fsync_dir(model_dir)
+    return removed
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
+def _release_source_pages(address: int, length: int) -> None:
+    """Drop already-processed pages of a read-only file mapping from our RSS (the page cache keeps
+    them), so peak memory stays near one chunk instead of one shard. Only whole pages strictly
+    inside the range are dropped; only called for clean mmap-backed source tensors, where a later
+    access simply faults the page back in from the file."""
+    if _LIBC is None or not hasattr(_LIBC, "madvise"):
+        return
+    start = -(-address // PAGE_SIZE) * PAGE_SIZE
+    end = (address + length) // PAGE_SIZE * PAGE_SIZE
+    if end > start:
+        _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
+
+
+def _byte_view(flat_u8: torch.Tensor) -> memoryview:
+    """Zero-copy memoryview of a contiguous uint8 CPU tensor (works for bf16 sources too, and
+    needs no numpy). The caller keeps the tensor alive while the view is used."""
+    n = flat_u8.numel()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_ubyte * n).from_address(flat_u8.data_ptr())).cast("B")
+
+
+def _as_flat_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Flat uint8 view of the tensor's logical bytes, and whether it aliases the source memory
+    (False when a non-contiguous tensor had to be copied)."""
+    contiguous = tensor.contiguous()
+    return contiguous.reshape(-1).view(torch.uint8), contiguous.data_ptr() == tensor.data_ptr()
+
+
+# ---------------------------------------------------------------- discovering and loading sources
+
+
+def discover_sources(model_dir: Path) -> list[Path]:
+    """Input checkpoint files, in shard order: the .bin index's files if it exists, else globs."""
+    bin_index = model_dir / BIN_INDEX_NAME
+    if bin_index.exists():
+        try:
+            weight_map = json.loads(bin_index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ConversionError(f"{bin_index}: unreadable index: {exc}") from exc
+        paths = [model_dir / name for name in names]
+        for path in paths:
+            if not path.is_file():
+                raise ConversionError(f"{bin_index}: names {path.name}, which does not exist")
+        return paths
+    found = {p for pattern in SOURCE_GLOBS for p in model_dir.glob(pattern) if p.is_file()}
+    return sorted(found)
+
+
+def output_names(count: int) -> list[str]:
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def _is_zip_checkpoint(path: Path) -> bool:
+    with path.open("rb") as f:
+        return f.read(4) == ZIP_MAGIC
+
+
+def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], bool]:
+    """Load a checkpoint without running pickled code; returns (state dict, mmap_backed).
+
+    Zip-format checkpoints are memory-mapped, so loading reads only the pickle and tensor bytes are
+    paged in as they are copied. Legacy (pre-1.6) files cannot be mapped and are read into memory.
+    """
+    try:
+        mmap_backed = _is_zip_checkpoint(path)
+        state = torch.load(path, weights_only=True, mmap=mmap_backed, map_location="cpu")
+    except Exception as exc:  # torch raises many types for corrupt files; all mean "cannot load"
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "Weights only load failed" in str(exc):
+            raise ConversionError(
+                f"{path}: refused: the pickle wants to run code or build non-tensor objects, which "
+                f"weights_only loading does not allow ({_unsafe_detail(str(exc))})"
+            ) from exc
+        raise ConversionError(
+            f"{path}: cannot load checkpoint (truncated or corrupt?): {first_line}"
+        ) from exc
+    return _validate_state_dict(path, state), mmap_backed
+
+
+def _unsafe_detail(message: str) -> str:
+    """The line of torch's weights_only message that says what was refused."""
+    for line in message.splitlines():
+        if "Unsupported" in line or "GLOBAL" in line:
+            return line.strip()
+    return "unsupported pickle content"
+
+
+def _validate_state_dict(path: Path, state: object) -> dict[str, torch.Tensor]:
+    if not isinstance(state, dict):
+        raise ConversionError(f"{path}: checkpoint is a {type(state).__name__}, not a dict of tensors")
+    for name, value in state.items():
+        if not isinstance(name, str):
+            raise ConversionError(f"{path}: key {name!r} is not a string")
+        if not isinstance(value, torch.Tensor):
+            raise ConversionError(
+                f"{path}: {name!r} is a {type(value).__name__}, not a tensor (only flat state dicts "
+                "of tensors can be converted)"
+            )
+        if value.layout != torch.strided or value.is_quantized or value.device.type != "cpu":
+            raise ConversionError(f"{path}: tensor {name!r} has an unsupported layout ({value.layout})")
+        if value.dtype not in TORCH_TO_SAFETENSORS:
+            raise ConversionError(f"{path}: tensor {name!r} has dtype {value.dtype}, which safetensors lacks")
+    return state
+
+
+def _view_key(tensor: torch.Tensor) -> tuple | None:
+    """Identity of a tensor view: equal keys mean the very same bytes interpreted the same way."""
+    if tensor.numel() == 0:
+        return None
+    storage_ptr = tensor.untyped_storage().data_ptr()
+    return (storage_ptr, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+
+
+def plan_shard(state: dict[str, torch.Tensor], mmap_backed: bool) -> ShardPlan:
+    """Store each distinct view once; identical views (tied weights) become aliases of the first
+    name. Overlapping but different views are stored separately, since safetensors has no views."""
+    first_name_by_key: dict[tuple, str] = {}
+    tensors: list[tuple[str, torch.Tensor]] = []
+    aliases: dict[str, str] = {}
+    for name, tensor in state.items():
+        key = _view_key(tensor)
+        if key is not None and key in first_name_by_key:
+            aliases[name] = first_name_by_key[key]
+            continue
+        if key is not None:
+            first_name_by_key[key] = name
+        tensors.append((name, tensor))
+    # Largest element size first keeps every tensor's offset aligned to its element size.
+    tensors.sort(key=lambda item: -item[1].element_size())
+    return ShardPlan(tensors, aliases, mmap_backed)
+
+
+def preflight(sources: list[Path]) -> list[SourceShard]:
+    """Load every source (pickle only, data stays on disk) before anything is written, so a bad or
+    malicious shard anywhere aborts the run with nothing written."""
+    shards = []
+    owner_of: dict[str, Path] = {}
+    for path, output_name in zip(sources, output_names(len(sources)), strict=True):
+        state, mmap_backed = load_checkpoint(path)
+        plan = plan_shard(state, mmap_backed)
+        for name in state:
+            if name in owner_of:
+                raise ConversionError(f"{path}: tensor {name!r} is also in {owner_of[name].name}")
+            owner_of[name] = path
+        shards.append(SourceShard(path, output_name, path.stat().st_size, plan.stored_bytes, list(state)))
+        del state, plan
+    return shards
+
+
+# ---------------------------------------------------------------- writing and verifying one shard
+
+
+def _shard_metadata(source: Path, plan: ShardPlan) -> dict[str, str]:
+    metadata = {"format": "pt", "gptoss_source": source.name, "gptoss_converter": CONVERTER_ID}
+    if plan.aliases:
+        metadata["gptoss_aliases"] = json.dumps(plan.aliases, sort_keys=True)
+    return metadata
+
+
+def build_header(plan: ShardPlan, metadata: dict[str, str]) -> bytes:
+    """JSON header padded with spaces to a multiple of 8 so the data section starts aligned."""
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for name, tensor in plan.tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": TORCH_TO_SAFETENSORS[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    return encoded + b" " * (-len(encoded) % 8)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        written = os.write(fd, data)
+        data = data[written:]
+
+
+def _chunks(total: int, size: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, total, size):
+        yield start, min(size, total - start)
+
+
+def write_shard_file(path: Path, plan: ShardPlan, metadata: dict[str, str], progress: Progress,
+                     stop_event: str) -> None:
+    """Write header + raw tensor bytes straight from the (mapped) source memory, then fsync."""
+    header = build_header(plan, metadata)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        _write_all(fd, memoryview(struct.pack("<Q", len(header)) + header))
+        for name, tensor in plan.tensors:
+            flat, in_place = _as_flat_bytes(tensor)
+            view = _byte_view(flat)
+            for start, length in _chunks(len(view), WRITE_CHUNK):
+                _write_all(fd, view[start : start + length])
+                if in_place and plan.mmap_backed:
+                    _release_source_pages(flat.data_ptr() + start, length)
+                progress.advance(length, f"write {path.name.lstrip('.')[:14]} {name}")
+                _stop_point(stop_event)
+            del view, flat
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _readinto_exact(f, buffer: memoryview) -> None:
+    filled = 0
+    while filled < len(buffer):
+        n = f.readinto(buffer[filled:])
+        if not n:
+            raise ConversionError(f"{f.name}: unexpected end of file while verifying")
+        filled += n
+
+
+def verify_shard_file(path: Path, plan: ShardPlan, source: Path, progress: Progress,
+                      label: str) -> SafetensorsHeader:
+    """Re-read the file as written and compare header and every byte with the source tensors.
+
+    Bytes are compared as uint8, so NaN payloads and -0.0 must match exactly too.
+    """
+    try:
+        header = read_header(path)
+        aliases = aliases_of(header)
+    except SafetensorsFormatError as exc:
+        raise ConversionError(str(exc)) from exc
+    expected = {name: tensor for name, tensor in plan.tensors}
+    if set(header.tensors) != set(expected):
+        missing, extra = set(expected) - set(header.tensors), set(header.tensors) - set(expected)
+        raise ConversionError(f"{path}: tensor names differ from {source.name} "
+                              f"(missing {sorted(missing)[:5]}, unexpected {sorted(extra)[:5]})")
+    if aliases != plan.aliases:
+        raise ConversionError(f"{path}: recorded aliases {aliases} differ from "
+                              f"{source.name}'s {plan.aliases}")
+    buffer = bytearray(VERIFY_CHUNK)
+    buffer_view = memoryview(buffer)
+    buffer_tensor = torch.frombuffer(buffer, dtype=torch.uint8)
+    with path.open("rb", buffering=0) as f:
+        for entry in sorted(header.tensors.values(), key=lambda e: e.begin):
+            tensor = expected[entry.name]
+            if entry.dtype != TORCH_TO_SAFETENSORS[tensor.dtype] or entry.shape != list(tensor.shape):
+                raise ConversionError(f"{path}: tensor {entry.name!r} is {entry.dtype} {entry.shape}, "
+                                      f"source has {tensor.dtype} {list(tensor.shape)}")
+            flat, in_place = _as_flat_bytes(tensor)
+            f.seek(header.data_start + entry.begin)
+            for start, length in _chunks(flat.numel(), VERIFY_CHUNK):
+                _readinto_exact(f, buffer_view[:length])
+                if not torch.equal(flat[start : start + length], buffer_tensor[:length]):
+                    raise ConversionError(f"{path}: tensor {entry.name!r} differs from {source.name} "
+                                          f"near byte {start}")
+                if in_place and plan.mmap_backed:
+                    _release_source_pages(flat.data_ptr() + start, length)
+                progress.advance(length, label)
+            del flat
+    return header
+
+
+def convert_shard(shard: SourceShard, index: int, model_dir: Path, progress: Progress) -> dict[str, str]:
+    """Write, verify and atomically publish one output shard; returns its alias map."""
+    final = model_dir / shard.output_name
+    temp = _temp_path(final)
+    state, mmap_backed = load_checkpoint(shard.path)
+    plan = plan_shard(state, mmap_backed)
+    try:
+        write_shard_file(temp, plan, _shard_metadata(shard.path, plan), progress, f"partial:{index}")
+        verify_shard_file(temp, plan, shard.path, progress, f"verify {shard.output_name[:20]}")
+        os.replace(temp, final)
+        _fsync_dir(model_dir)
+    except OSError as exc:
+        temp.unlink(missing_ok=True)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ConversionError(f"{final}: no space left on device while writing; temp file removed, "
+                                  f"originals untouched") from exc
+        raise ConversionError(f"{final}: {exc.strerror or exc}") from exc
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    return plan.aliases
+
+
+def verify_existing_shard(shard: SourceShard, model_dir: Path, progress: Progress) -> dict[str, str] | None:
+    """Re-verify an output shard left by an earlier run; returns its aliases, or None when it is
+    ours but stale (then the caller rewrites it). Files not written by us are never overwritten."""
+    final = model_dir / shard.output_name
+    try:
+        owner = read_header(final).metadata.get("gptoss_source")
+    except SafetensorsFormatError:
+        owner = None
+    if owner is None:
+        raise ConversionError(f"{final}: exists but was not written by {CONVERTER_ID} from "
+                              f"{shard.path.name}; refusing to overwrite it")
+    if owner != shard.path.name:
+        raise ConversionError(f"{final}: was converted from {owner}, expected {shard.path.name}; "
+                              "refusing to overwrite it")
+    state, mmap_backed = load_checkpoint(shard.path)
+    plan = plan_shard(state, mmap_backed)
+    try:
+        verify_shard_file(final, plan, shard.path, progress, f"verify {shard.output_name[:20]}")
+    except ConversionError as exc:
+        print(f"warning: {exc}; rewriting it", file=sys.stderr)
+        final.unlink()
+        _fsync_dir(model_dir)
+        return None
+    return plan.aliases
+
+
+# ---------------------------------------------------------------- the index and the whole run
+
+
+def build_index(shards: list[SourceShard], aliases_by_shard: list[dict[str, str]]) -> dict:
+    weight_map = {name: shard.output_name for shard in shards for name in shard.names}
+    for shard, aliases in zip(shards, aliases_by_shard, strict=True):
+        for alias in aliases:
+            weight_map[alias] = shard.output_name
+    return {
+        "metadata": {
+            "total_size": sum(shard.stored_bytes for shard in shards),
+            "format": "pt",
+            "converted_by": CONVERTER_ID,
+        },
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    temp = _temp_path(path)
+    try:
+        with temp.open("x", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+def ensure_free_space(model_dir: Path, pending: list[SourceShard]) -> None:
+    needed_data = sum(shard.stored_bytes for shard in pending)
+    if not pending:
+        return
+    needed = needed_data + SPACE_MARGIN_BYTES + int(needed_data * SPACE_MARGIN_FRACTION)
+    free = shutil.disk_usage(model_dir).free
+    if free < needed:
+        raise ConversionError(
+            f"{model_dir}: not enough free space: converting {len(pending)} shard(s) needs "
+            f"{needed / 1e9:.2f} GB (data + margin), {free / 1e9:.2f} GB free; nothing written"
+        )
+
+
+def is_our_index(model_dir: Path) -> bool:
+    try:
+        index = json.loads((model_dir / INDEX_NAME).read_text(encoding="utf-8"))
+        return index.get("metadata", {}).get("converted_by") == CONVERTER_ID
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def has_foreign_safetensors(model_dir: Path) -> bool:
+    """A model that already ships safetensors (not written by us) is left as it is."""
+    if (model_dir / INDEX_NAME).exists():
+        return not is_our_index(model_dir)
+    return (model_dir / "model.safetensors").exists()
+
+
+def verify_safetensors_model(model_dir: Path, started: float, ignored_sources: list[Path]) -> Outcome:
+    problems = check_safetensors_dir(model_dir)
+    if problems:
+        raise ConversionError("; ".join(problems))
+    files = sorted(str(p) for p in model_dir.glob("*.safetensors"))
+    note = f" ({len(ignored_sources)} .bin/.pt files left as they are)" if ignored_sources else ""
+    return Outcome(False, "verified", len(files), sum(Path(f).stat().st_size for f in files),
+                   time.monotonic() - started, files,
+                   f"nothing to convert: {len(files)} safetensors file(s) verified (header and size){note}")
+
+
+def plan_check_mode(model_dir: Path, shards: list[SourceShard], delete: bool, started: float) -> Outcome:
+    """--check: say what a real run would do; reads headers only, writes nothing."""
+    pending = []
+    for shard in shards:
+        final = model_dir / shard.output_name
+        if not final.exists():
+            pending.append(shard)
+            continue
+        try:
+            if read_header(final).metadata.get("gptoss_source") != shard.path.name:
+                raise ConversionError(f"{final}: exists but was not converted from {shard.path.name}")
+        except SafetensorsFormatError:
+            pending.append(shard)
+    index_missing = not (model_dir / INDEX_NAME).exists()
+    changed = bool(pending) or index_missing or delete
+    nbytes = sum(shard.stored_bytes for shard in pending)
+    action = "would_convert" if pending or index_missing else "verified"
+    files = [str(model_dir / shard.output_name) for shard in shards] + [str(model_dir / INDEX_NAME)]
+    summary = (f"check: would convert {len(pending)} of {len(shards)} shard(s), {nbytes / 1e9:.2f} GB"
+               + ("; would delete originals" if delete else "") + "; nothing written")
+    return Outcome(changed, action, len(pending), nbytes, time.monotonic() - started, files, summary)
+
+
+def delete_originals(model_dir: Path, shards: list[SourceShard]) -> None:
+    for shard in shards:
+        shard.path.unlink(missing_ok=True)
+    (model_dir / BIN_INDEX_NAME).unlink(missing_ok=True)
+    _fsync_dir(model_dir)
+
+
+def convert_model(model_dir: Path, *, check: bool, delete: bool, show_progress: bool) -> Outcome:
+    started = time.monotonic()
+    sources = discover_sources(model_dir)
+    if not sources or has_foreign_safetensors(model_dir):
+        return verify_safetensors_model(model_dir, started, sources)
+    shards = preflight(sources)
+    if check:
+        return plan_check_mode(model_dir, shards, delete, started)
+    remove_stale_temp_files(model_dir)
+    pending = [s for s in shards if not (model_dir / s.output_name).exists()]
+    ensure_free_space(model_dir, pending)
+    _stop_point("after-space-check")
+    total = sum(s.stored_bytes for s in shards) + sum(s.stored_bytes for s in pending)
+    progress = Progress(total, show_progress)
+    written: list[SourceShard] = []
+    aliases_by_shard = []
+    try:
+        for number, shard in enumerate(shards, start=1):
+            aliases = None
+            if (model_dir / shard.output_name).exists():
+                aliases = verify_existing_shard(shard, model_dir, progress)
+            if aliases is None:
+                aliases = convert_shard(shard, number, model_dir, progress)
+                written.append(shard)
+            aliases_by_shard.append(aliases)
+    finally:
+        progress.close()
+    index_text = json.dumps(build_index(shards, aliases_by_shard), indent=2) + "\n"
+    index_path = model_dir / INDEX_NAME
+    index_changed = not index_path.exists() or index_path.read_text(encoding="utf-8") != index_text
+    if index_changed:
+        write_text_atomically(index_path, index_text)
+    problems = check_safetensors_dir(model_dir)
+    if problems:
+        raise ConversionError("; ".join(problems))
+    if delete:
+        delete_originals(model_dir, shards)
+    return _conversion_outcome(model_dir, shards, written, index_changed, delete, started)
+
+
+def _conversion_outcome(model_dir: Path, shards: list[SourceShard], written: list[SourceShard],
+                        index_changed: bool, deleted: bool, started: float) -> Outcome:
+    seconds = time.monotonic() - started
+    files = [str(model_dir / s.output_name) for s in shards] + [str(model_dir / INDEX_NAME)]
+    written_bytes = sum(s.stored_bytes for s in written)
+    all_bytes = sum(s.stored_bytes for s in shards)
+    deleted_note = "; originals deleted" if deleted else ""
+    if len(written) == len(shards):
+        action = "converted"
+        rate = written_bytes / 1e6 / max(seconds, 1e-9)
+        summary = (f"converted {len(shards)} shard(s), {written_bytes / 1e9:.2f} GB in {seconds:.1f} s "
+                   f"({rate:.0f} MB/s), verified bit-for-bit{deleted_note}")
+    elif written or index_changed:
+        action = "resumed"
+        summary = (f"resumed: wrote {len(written)} shard(s) ({written_bytes / 1e9:.2f} GB), skipped "
+                   f"{len(shards) - len(written)} already converted, all verified bit-for-bit in "
+                   f"{seconds:.1f} s{deleted_note}")
+    else:
+        action = "verified"
+        summary = (f"already converted: {len(shards)} shard(s), {all_bytes / 1e9:.2f} GB verified "
+                   f"bit-for-bit against the originals in {seconds:.1f} s{deleted_note}")
+    changed = bool(written) or index_changed or deleted
+    return Outcome(changed, action, len(shards), all_bytes, seconds, files, summary)
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="gptoss-convert",
+        description="Convert pytorch_model*.bin / *.pt checkpoints in MODEL_DIR to verified safetensors.",
+    )
+    parser.add_argument("model_dir", metavar="MODEL_DIR", type=Path)
+    parser.add_argument("--delete-originals", action="store_true",
+                        help="delete the .bin/.pt files after every output shard is verified")
+    parser.add_argument("--check", action="store_true", help="report what would be done; write nothing")
+    parser.add_argument("--json", action="store_true", help="print one JSON result object as the last line")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return parser.parse_args(argv)
+
+
+def _raise_on_sigterm(signum: int, _frame: object) -> None:
+    # Turn SIGTERM (systemd, Ansible timeouts) into an exception so temp files get removed.
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.model_dir.is_dir():
+        print(f"gptoss-convert: error: {args.model_dir} is not a directory", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    try:
+        outcome = convert_model(args.model_dir, check=args.check, delete=args.delete_originals,
+                                show_progress=not args.no_progress and sys.stderr.isatty())
+    except ConversionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"changed": False, "failed": True, "msg": str(exc)}))
+        return 1
+    print(outcome.summary, file=sys.stderr)
+    if args.json:
+        print(json.dumps(outcome.as_json()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
