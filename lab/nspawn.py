@@ -26,12 +26,17 @@ CACHE_DIR = Path(os.environ.get("GPTOSS_CACHE_DIR", PROJECT_ROOT / ".cache"))
 WHEELHOUSE_DIR = CACHE_DIR / "wheelhouse"
 
 # Bump when the package list or rootfs preparation changes, so stale caches are rebuilt.
-ROOTFS_VERSION = 2
+ROOTFS_VERSION = 3
+# A real host has GRUB and a kernel package: with them the lab can run the real update-grub.
 ROOTFS_PACKAGES = [
     "systemd", "systemd-sysv", "dbus", "python3", "python3-apt", "openssh-server", "iproute2",
     "sudo", "ca-certificates", "procps", "kmod", "e2fsprogs", "curl",
+    "grub2-common", "grub-pc-bin", "linux-image-cloud-amd64",
 ]
 MODEL_DISK_SIZE = "2G"
+# The root file system lives on its own loop device, bound into the lab, so that grub-probe
+# can resolve and read the device behind "/" exactly as on a real disk.
+ROOT_DISK_SIZE = "6G"
 BOOT_TIMEOUT_S = 90
 STOP_TIMEOUT_S = 30
 
@@ -48,6 +53,7 @@ class LabState:
     lab_dir: str
     nspawn_pid: int = 0
     loop_device: str = ""
+    root_loop_device: str = ""
     started_at: float = 0.0
     boot_seconds: float = 0.0
     extra: dict = field(default_factory=dict)
@@ -55,6 +61,10 @@ class LabState:
     @property
     def root(self) -> Path:
         return Path(self.lab_dir) / "rootfs"
+
+    @property
+    def root_image(self) -> Path:
+        return Path(self.lab_dir) / "root-disk.img"
 
     @property
     def disk_image(self) -> Path:
@@ -196,9 +206,21 @@ def ensure_rootfs_cache() -> tuple[Path, bool]:
     return tarball, False
 
 
-def extract_rootfs(tarball: Path, root: Path) -> None:
-    root.mkdir(parents=True)
-    run(["tar", "--numeric-owner", "--xattrs", "-C", str(root), "-xf", str(tarball)])
+def create_root_disk(state: LabState, tarball: Path) -> None:
+    run(["truncate", "-s", ROOT_DISK_SIZE, str(state.root_image)])
+    run(["mkfs.ext4", "-q", "-F", "-L", "gptoss-root", str(state.root_image)])
+    state.root.mkdir(parents=True)
+    mount_root_disk(state)
+    run(["tar", "--numeric-owner", "--xattrs", "-C", str(state.root), "-xf", str(tarball)])
+    (state.root / "boot/grub").mkdir(parents=True, exist_ok=True)
+
+
+def mount_root_disk(state: LabState) -> None:
+    """Attach the root image and mount it on rootfs/ (idempotent: after a lab restart it stays)."""
+    if not state.root_loop_device or loop_backing_file(state.root_loop_device) != str(state.root_image):
+        state.root_loop_device = attach_loop(state.root_image)
+    if not os.path.ismount(state.root):
+        run(["mount", state.root_loop_device, str(state.root)])
 
 
 def configure_rootfs(state: LabState) -> None:
@@ -323,10 +345,12 @@ def ssh(state: LabState, command: list[str] | str, check: bool = True, timeout: 
 
 def boot(state: LabState) -> None:
     """Start systemd-nspawn in its own session and wait for systemd and sshd."""
+    mount_root_disk(state)
     if not state.loop_device or loop_backing_file(state.loop_device) != str(state.disk_image):
         state.loop_device = attach_loop(state.disk_image)
     cmd = ["systemd-nspawn", "-D", str(state.root), "--boot", "--register=no", "--keep-unit",
-           "--console=passive", f"--machine={state.machine_name}", f"--bind={state.loop_device}"]
+           "--console=passive", f"--machine={state.machine_name}", f"--bind={state.loop_device}",
+           f"--bind={state.root_loop_device}"]
     if WHEELHOUSE_DIR.is_dir():
         # An offline wheelhouse, as on an air-gapped GPU host: vllm_service installs from it.
         cmd.append(f"--bind-ro={WHEELHOUSE_DIR}:/srv/wheelhouse")
@@ -390,7 +414,7 @@ def up(name: str) -> tuple[LabState, str]:
     address, port = allocate_address(name)
     state = LabState(name=name, address=address, ssh_port=port, lab_dir=str(lab_dir))
     try:
-        extract_rootfs(tarball, state.root)
+        create_root_disk(state, tarball)
         configure_rootfs(state)
         state.loop_device = create_model_disk(state)
         state.extra = {"rootfs_cached": cached, "rootfs_seconds": round(t_rootfs, 1)}
@@ -408,8 +432,11 @@ def up(name: str) -> tuple[LabState, str]:
 
 def destroy(state: LabState) -> None:
     stop(state)
-    if state.loop_device and loop_backing_file(state.loop_device) == str(state.disk_image):
-        run(["losetup", "-d", state.loop_device], check=False)
+    if os.path.ismount(state.root):
+        run(["umount", str(state.root)], check=False)
+    for device, image in ((state.loop_device, state.disk_image), (state.root_loop_device, state.root_image)):
+        if device and loop_backing_file(device) == str(image):
+            run(["losetup", "-d", device], check=False)
     # nspawn may still be unmounting its API file systems for a moment after exit.
     for _ in range(20):
         shutil.rmtree(state.lab_dir, ignore_errors=True)
