@@ -256,6 +256,10 @@ def configure_rootfs(state: LabState) -> None:
         if not link.exists():
             link.symlink_to("/dev/null")
     (root / "models").mkdir(exist_ok=True)
+    # grub-pc installs /etc/default/grub from this template (its postinst wants a real disk).
+    grub_default = root / "etc/default/grub"
+    if not grub_default.exists():
+        shutil.copy(root / "usr/share/grub/default/grub", grub_default)
 
 
 def create_model_disk(state: LabState) -> str:

@@ -1,0 +1,225 @@
+#!/usr/bin/python
+"""Ansible module: one fstab entry, validated before it replaces the old file, and remounted live."""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: fstab
+short_description: Manage one /etc/fstab entry safely and remount it live
+description:
+  - Ensures the entry for I(path) has the given source, type and options.
+  - The new fstab is written to a temporary file next to the old one, checked with
+    C(findmnt --verify --tab-file), backed up, then renamed over the old one.
+    A bad device, UUID or existing malformed line fails the task and leaves fstab untouched.
+  - C(nobarrier) is accepted for ext4 only; XFS rejects it since Linux 4.19 and the host would not boot.
+  - With I(remount=true) the live mount is (re)mounted and read back from /proc/self/mountinfo.
+options:
+  path: {description: Mount point., type: path, required: true}
+  src: {description: "Device path, or UUID=/LABEL=/PARTUUID= spec.", type: str, required: true}
+  fstype: {description: File system type., type: str, required: true}
+  opts: {description: Mount options., type: list, elements: str, default: [defaults]}
+  dump: {description: Dump field., type: int, default: 0}
+  passno: {description: fsck pass number., type: int, default: 2}
+  fstab: {description: The fstab file., type: path, default: /etc/fstab}
+  backup: {description: Keep a timestamped copy of the old fstab., type: bool, default: true}
+  remount: {description: Mount or remount now so the live options match., type: bool, default: true}
+author: gptoss-host
+"""
+
+EXAMPLES = r"""
+- name: Model disk with noatime,nobarrier
+  gptoss.host.fstab:
+    path: /models
+    src: UUID=0a1b...
+    fstype: ext4
+    opts: [defaults, noatime, nobarrier]
+"""
+
+RETURN = r"""
+live_options: {description: Options of the live mount after the task, type: list, returned: when mounted}
+backup_file: {description: Copy of the old fstab, type: str, returned: when changed and backup}
+"""
+
+import os
+import tempfile
+
+from ansible.module_utils.basic import AnsibleModule
+
+BARRIER_OPTIONS = {"nobarrier", "barrier=0"}
+FSTYPES_WITH_NOBARRIER = {"ext4"}
+
+
+def escape_fstab(value: str) -> str:
+    return value.replace("\\", "\\134").replace(" ", "\\040").replace("\t", "\\011")
+
+
+def unescape_mount(value: str) -> str:
+    """Undo the octal escapes that fstab(5) and proc(5) use for spaces and tabs."""
+    out, i = [], 0
+    while i < len(value):
+        if value[i] == "\\" and value[i + 1:i + 4].isdigit():
+            out.append(chr(int(value[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(value[i])
+            i += 1
+    return "".join(out)
+
+
+def parse_fstab(text: str) -> list[tuple[str, list[str] | None]]:
+    """Lines with their fields; comments and blanks keep fields=None. Malformed lines raise."""
+    parsed = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            parsed.append((line, None))
+            continue
+        fields = stripped.split()
+        if len(fields) < 4 or len(fields) > 6 or not all(f.isdigit() for f in fields[4:]):
+            raise ValueError(f"line {number} is malformed (want 4-6 fields: src path type opts [dump pass]): {line!r}")
+        parsed.append((line, fields))
+    return parsed
+
+
+def live_mount_options(path: str) -> list[str] | None:
+    """Per-mount plus super options of the mount at `path`, from /proc/self/mountinfo."""
+    found = None
+    with open("/proc/self/mountinfo") as mountinfo:
+        for line in mountinfo:
+            before, _, after = line.partition(" - ")
+            fields, super_fields = before.split(), after.split()
+            if unescape_mount(fields[4]) == path:
+                # The last matching line wins: it is the mount on top.
+                found = fields[5].split(",") + (super_fields[2].split(",") if len(super_fields) > 2 else [])
+    return found
+
+
+def resolve_source(module: AnsibleModule, src: str) -> str:
+    """The block device behind `src`, or a clear failure (nothing has been written yet)."""
+    if "=" in src.split("/")[0]:
+        code, out, err = module.run_command(["findfs", src])
+        if code != 0 or not out.strip():
+            module.fail_json(msg=f"fstab: source {src} does not resolve to any device (findfs: {err.strip()}); "
+                             "fstab left untouched")
+        return out.strip()
+    if not os.path.exists(src):
+        module.fail_json(msg=f"fstab: device {src} does not exist; fstab left untouched")
+    return src
+
+
+def verify_tab_file(module: AnsibleModule, tab_file: str) -> None:
+    code, out, err = module.run_command(["findmnt", "--verify", "--tab-file", tab_file])
+    if code != 0:
+        module.fail_json(msg=f"fstab: the new fstab fails `findmnt --verify`; fstab left untouched:\n{out}{err}")
+
+
+def write_atomically(module: AnsibleModule, fstab: str, content: str) -> None:
+    directory = os.path.dirname(fstab) or "."
+    fd, tmp = tempfile.mkstemp(prefix=".fstab.", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(content)
+            handle.flush()
+            os.fsync(handle.fileno())
+        if os.path.exists(fstab):
+            stat = os.stat(fstab)
+            os.chmod(tmp, stat.st_mode & 0o7777)
+            os.chown(tmp, stat.st_uid, stat.st_gid)
+        verify_tab_file(module, tmp)
+        os.replace(tmp, fstab)
+        dir_fd = os.open(directory, os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def desired_line(params: dict) -> str:
+    return " ".join([
+        escape_fstab(params["src"]), escape_fstab(params["path"]), params["fstype"],
+        ",".join(params["opts"]), str(params["dump"]), str(params["passno"]),
+    ])
+
+
+def new_fstab_text(old: str, params: dict) -> str:
+    lines, replaced = [], False
+    for line, fields in parse_fstab(old):
+        if fields and unescape_mount(fields[1]) == params["path"]:
+            if not replaced:
+                lines.append(desired_line(params))
+                replaced = True
+            continue  # a duplicate entry for the same mount point would shadow ours
+        lines.append(line)
+    if not replaced:
+        lines.append(desired_line(params))
+    return "\n".join(lines) + "\n"
+
+
+def remount(module: AnsibleModule, params: dict, result: dict) -> None:
+    live = live_mount_options(params["path"])
+    wanted = [o for o in params["opts"] if o != "defaults"]
+    if live is not None and all(o in live for o in wanted):
+        result["live_options"] = live
+        return
+    result["changed"] = True
+    if module.check_mode:
+        result["live_options"] = live
+        return
+    os.makedirs(params["path"], exist_ok=True)
+    cmd = ["mount", "-o", "remount," + ",".join(params["opts"]), params["path"]] if live is not None \
+        else ["mount", params["path"]]
+    code, out, err = module.run_command(cmd)
+    if code != 0:
+        module.fail_json(msg=f"fstab: {' '.join(cmd)} failed: {err.strip() or out.strip()}", **result)
+    live = live_mount_options(params["path"])
+    missing = [o for o in wanted if live is None or o not in live]
+    if missing:
+        module.fail_json(msg=f"fstab: {params['path']} is mounted without {missing} after remount", **result)
+    result["live_options"] = live
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec=dict(
+            path=dict(type="path", required=True),
+            src=dict(type="str", required=True),
+            fstype=dict(type="str", required=True),
+            opts=dict(type="list", elements="str", default=["defaults"]),
+            dump=dict(type="int", default=0),
+            passno=dict(type="int", default=2),
+            fstab=dict(type="path", default="/etc/fstab"),
+            backup=dict(type="bool", default=True),
+            remount=dict(type="bool", default=True),
+        ),
+        supports_check_mode=True,
+    )
+    params = module.params
+    if BARRIER_OPTIONS & set(params["opts"]) and params["fstype"] not in FSTYPES_WITH_NOBARRIER:
+        module.fail_json(msg=f"fstab: refusing nobarrier on {params['fstype']} for {params['path']}: only ext4 "
+                             "accepts it (XFS rejects it since Linux 4.19 and the host would fail to boot); "
+                             "fstab left untouched")
+    resolve_source(module, params["src"])
+    old = open(params["fstab"]).read() if os.path.exists(params["fstab"]) else ""
+    try:
+        new = new_fstab_text(old, params)
+    except ValueError as exc:
+        module.fail_json(msg=f"fstab: {params['fstab']} {exc}; fstab left untouched")
+    result: dict = {"changed": old != new}
+    if module._diff:
+        result["diff"] = {"before": old, "after": new, "before_header": params["fstab"],
+                          "after_header": params["fstab"]}
+    if result["changed"] and not module.check_mode:
+        if params["backup"] and old:
+            result["backup_file"] = module.backup_local(params["fstab"])
+        write_atomically(module, params["fstab"], new)
+    if params["remount"]:
+        remount(module, params, result)
+    module.exit_json(**result)
+
+
+if __name__ == "__main__":
+    main()

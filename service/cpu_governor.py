@@ -1,0 +1,89 @@
+"""Set and read the CPU frequency governor on every CPU (runs on the host, stdlib only).
+
+Used both by the cpu_governor role (now) and by gptoss-cpu-governor.service (at every boot),
+so there is one implementation of "what performance means on this cpufreq driver".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+CPU_ROOT = Path("/sys/devices/system/cpu")
+# intel_pstate (active) and amd-pstate-epp offer only performance/powersave; acpi-cpufreq and
+# amd-pstate (passive/guided) offer the classic set. The name is the same on all of them.
+KNOWN_DRIVERS = {"intel_pstate", "intel_cpufreq", "acpi-cpufreq", "amd-pstate", "amd-pstate-epp", "cppc_cpufreq"}
+
+
+def cpufreq_dirs(root: Path = CPU_ROOT) -> list[Path]:
+    return sorted((p for p in root.glob("cpu[0-9]*/cpufreq") if (p / "scaling_governor").exists()),
+                  key=lambda p: int(p.parent.name[3:]))
+
+
+def read(path: Path) -> str:
+    return path.read_text().strip() if path.exists() else ""
+
+
+def state(root: Path = CPU_ROOT) -> dict:
+    dirs = cpufreq_dirs(root)
+    if not dirs:
+        return {"supported": False, "reason": "no cpufreq in sysfs (VM or container): governor not supported",
+                "cpus": {}}
+    return {
+        "supported": True,
+        "driver": read(dirs[0] / "scaling_driver"),
+        "cpus": {d.parent.name: {"governor": read(d / "scaling_governor"),
+                                 "available": read(d / "scaling_available_governors").split(),
+                                 "epp": read(d / "energy_performance_preference") or None}
+                 for d in dirs},
+    }
+
+
+def apply(governor: str, check: bool, root: Path = CPU_ROOT) -> dict:
+    before = state(root)
+    result = {**before, "changed": False, "governor": governor, "set": []}
+    if not before["supported"]:
+        return result
+    for cpu, info in before["cpus"].items():
+        if info["available"] and governor not in info["available"]:
+            raise SystemExit(f"error: {cpu}: governor {governor!r} not offered by {before['driver']} "
+                             f"(available: {', '.join(info['available'])})")
+        if info["governor"] != governor:
+            result["set"].append(cpu)
+            result["changed"] = True
+            if not check:
+                (root / cpu / "cpufreq/scaling_governor").write_text(governor)
+        # With EPP drivers the "performance" governor already pins EPP; keep it explicit where writable.
+        epp_file = root / cpu / "cpufreq/energy_performance_preference"
+        if governor == "performance" and info["epp"] not in (None, "performance") and not check:
+            try:
+                epp_file.write_text("performance")
+            except OSError:
+                pass  # the performance governor forces EPP=performance and locks the file
+    after = state(root) if not check else before
+    if not check:
+        wrong = {cpu: i["governor"] for cpu, i in after["cpus"].items() if i["governor"] != governor}
+        if wrong:
+            raise SystemExit(f"error: governor did not stick on {wrong}")
+        result["cpus"] = after["cpus"]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Set or show the CPU frequency governor on every CPU.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    set_cmd = sub.add_parser("set", help="set GOVERNOR on every CPU and read it back")
+    set_cmd.add_argument("governor")
+    set_cmd.add_argument("--check", action="store_true", help="report what would change, change nothing")
+    sub.add_parser("show", help="print the live governor of every CPU")
+    args = parser.parse_args(argv)
+    result = apply(args.governor, args.check) if args.command == "set" else state()
+    json.dump(result, sys.stdout)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
