@@ -273,8 +273,13 @@ def discover_sources(model_dir: Path) -> list[Path]:
             if not path.is_file():
                 raise ConversionError(f"{bin_index}: names {path.name}, which does not exist")
         return paths
-    found = {p for pattern in SOURCE_GLOBS for p in model_dir.glob(pattern) if p.is_file()}
-    return sorted(found)
+    # HF layouts: pytorch_model*.bin. Only without those are *.pt files taken as the weights, so
+    # stray optimizer.pt / rng_state.pt next to a model are not mistaken for shards.
+    for pattern in SOURCE_GLOBS:
+        found = sorted(p for p in model_dir.glob(pattern) if p.is_file())
+        if found:
+            return found
+    return []
 
 
 def output_names(count: int) -> list[str]:

@@ -40,6 +40,14 @@ def run_cli(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.
     )
 
 
+def run_in_process(capsys: pytest.CaptureFixture, *args: str | Path) -> subprocess.CompletedProcess:
+    """Same entry point as the CLI, without paying for a fresh interpreter and torch import."""
+    capsys.readouterr()
+    returncode = convert.main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), returncode, captured.out, captured.err)
+
+
 def last_json(stdout: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 
@@ -213,21 +221,29 @@ def test_pt_file_is_converted(tmp_path: Path) -> None:
     assert_same_bits(state, load_converted(tmp_path))
 
 
-def test_second_run_is_unchanged_and_delete_originals(tmp_path: Path) -> None:
+def test_pt_files_next_to_bin_weights_are_ignored(tmp_path: Path) -> None:
+    state = random_state(8, count=2)
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    torch.save({"step": 3}, tmp_path / "rng_state.pt")  # not weights: must not be picked up
+    assert convert.main([str(tmp_path), "--no-progress"]) == 0
+    assert_same_bits(state, load_converted(tmp_path))
+
+
+def test_second_run_is_unchanged_and_delete_originals(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     shards = [random_state(11), random_state(12, prefix="other")]
     sources = make_sharded(tmp_path, shards)
-    assert run_cli(tmp_path, "--no-progress").returncode == 0
-    again = run_cli(tmp_path, "--json", "--no-progress")
+    assert run_in_process(capsys, tmp_path, "--no-progress").returncode == 0
+    again = run_in_process(capsys, tmp_path, "--json", "--no-progress")
     assert again.returncode == 0, again.stderr
     assert last_json(again.stdout)["changed"] is False
     assert last_json(again.stdout)["action"] == "verified"
-    deleted = run_cli(tmp_path, "--json", "--delete-originals", "--no-progress")
+    deleted = run_in_process(capsys, tmp_path, "--json", "--delete-originals", "--no-progress")
     assert deleted.returncode == 0, deleted.stderr
     assert last_json(deleted.stdout)["changed"] is True
     assert not any(p.exists() for p in sources)
     assert not (tmp_path / "pytorch_model.bin.index.json").exists()
     assert_same_bits(merged(shards), load_converted(tmp_path))
-    after = run_cli(tmp_path, "--json", "--no-progress")
+    after = run_in_process(capsys, tmp_path, "--json", "--no-progress")
     assert after.returncode == 0 and last_json(after.stdout)["changed"] is False
     assert "nothing to convert" in after.stderr
 
@@ -323,22 +339,22 @@ def test_usage_errors_exit_2(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- check mode and safetensors models
 
 
-def test_check_mode_writes_nothing(tmp_path: Path) -> None:
+def test_check_mode_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     make_sharded(tmp_path, [random_state(5), random_state(6, prefix="b")])
     before = snapshot(tmp_path)
-    result = run_cli(tmp_path, "--check", "--json", "--delete-originals")
+    result = run_in_process(capsys, tmp_path, "--check", "--json", "--delete-originals")
     assert result.returncode == 0, result.stderr
     summary = last_json(result.stdout)
     assert summary["changed"] is True and summary["action"] == "would_convert" and summary["shards"] == 2
     assert snapshot(tmp_path) == before
     assert convert.main([str(tmp_path), "--no-progress"]) == 0
     converted = snapshot(tmp_path)
-    summary = last_json(run_cli(tmp_path, "--check", "--json").stdout)
+    summary = last_json(run_in_process(capsys, tmp_path, "--check", "--json").stdout)
     assert (summary["changed"], summary["action"], summary["shards"]) == (False, "verified", 0)
     assert snapshot(tmp_path) == converted
 
 
-def test_already_safetensors_model_is_left_alone(tmp_path: Path) -> None:
+def test_already_safetensors_model_is_left_alone(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     # Upstream layout (gpt-oss ships 0-based shard names): must be accepted as it is.
     for name, tensors in [("model-00000-of-00002", {"a": torch.randn(4, 4)}), ("model-00001-of-00002",
                                                                                 {"b": torch.randn(3)})]:
@@ -347,14 +363,14 @@ def test_already_safetensors_model_is_left_alone(tmp_path: Path) -> None:
         "a": "model-00000-of-00002.safetensors", "b": "model-00001-of-00002.safetensors"}}
     (tmp_path / INDEX).write_text(json.dumps(index))
     before = snapshot(tmp_path)
-    result = run_cli(tmp_path, "--json", "--delete-originals")
+    result = run_in_process(capsys, tmp_path, "--json", "--delete-originals")
     assert result.returncode == 0, result.stderr
     assert "nothing to convert" in result.stderr
     assert last_json(result.stdout)["changed"] is False
     assert snapshot(tmp_path) == before
     shard = tmp_path / "model-00001-of-00002.safetensors"
     shard.write_bytes(shard.read_bytes()[:-4])
-    broken = run_cli(tmp_path, "--json")
+    broken = run_in_process(capsys, tmp_path, "--json")
     assert broken.returncode == 1 and shard.name in broken.stderr and "truncated" in broken.stderr
 
 
@@ -411,6 +427,24 @@ def test_killed_run_leaves_no_partial_output_and_resumes(tmp_path: Path) -> None
     assert not temps[0].exists()
     assert check_safetensors_dir(tmp_path) == []
     assert_same_bits(merged(shards), load_converted(tmp_path))
+
+
+def test_sigterm_mid_write_removes_temp(tmp_path: Path) -> None:
+    state = random_state(25, rows=1024)
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    process = start_cli(tmp_path, "partial:1")
+    try:
+        wait_for_stop_point(process, "partial:1")
+        assert len(list(tmp_path.glob(".model-00001-of-00001.safetensors.tmp-*"))) == 1
+        process.send_signal(signal.SIGTERM)  # pending while stopped, delivered on SIGCONT
+        process.send_signal(signal.SIGCONT)
+        process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 128 + signal.SIGTERM
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pytorch_model.bin"]
 
 
 @pytest.fixture
