@@ -607,8 +607,11 @@ def verify_safetensors_model(model_dir: Path, started: float, ignored_sources: l
     if problems:
         raise ConversionError("; ".join(problems))
     files = sorted(str(p) for p in model_dir.glob("*.safetensors"))
+    nbytes = sum(Path(f).stat().st_size for f in files)
+    if (model_dir / INDEX_NAME).exists():
+        files.append(str(model_dir / INDEX_NAME))
     note = f" ({len(ignored_sources)} .bin/.pt files left as they are)" if ignored_sources else ""
-    return Outcome(False, "verified", len(files), sum(Path(f).stat().st_size for f in files),
+    return Outcome(False, "verified", len(files) - (model_dir / INDEX_NAME).exists(), nbytes,
                    time.monotonic() - started, files,
                    f"nothing to convert: {len(files)} safetensors file(s) verified (header and size){note}")
 
@@ -739,15 +742,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         outcome = convert_model(args.model_dir, check=args.check, delete=args.delete_originals,
                                 show_progress=not args.no_progress and sys.stderr.isatty())
+    except OSError as exc:  # outside a shard write, e.g. an unwritable directory
+        return _report_error(f"{exc.filename or args.model_dir}: {exc.strerror or exc}", args.json)
     except ConversionError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        if args.json:
-            print(json.dumps({"changed": False, "failed": True, "msg": str(exc)}))
-        return 1
+        return _report_error(str(exc), args.json)
     print(outcome.summary, file=sys.stderr)
     if args.json:
         print(json.dumps(outcome.as_json()))
     return 0
+
+
+def _report_error(message: str, as_json: bool) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    if as_json:
+        print(json.dumps({"changed": False, "failed": True, "msg": message}))
+    return 1
 
 
 if __name__ == "__main__":
