@@ -355,9 +355,10 @@ def boot(state: LabState) -> None:
     cmd = ["systemd-nspawn", "-D", str(state.root), "--boot", "--register=no", "--keep-unit",
            "--console=passive", f"--machine={state.machine_name}", f"--bind={state.loop_device}",
            f"--bind={state.root_loop_device}"]
-    if WHEELHOUSE_DIR.is_dir():
-        # An offline wheelhouse, as on an air-gapped GPU host: vllm_service installs from it.
-        cmd.append(f"--bind-ro={WHEELHOUSE_DIR}:/srv/wheelhouse")
+    # An offline wheelhouse, as on an air-gapped GPU host: vllm_service installs from it.
+    # Bound even while empty, so wheels downloaded later show up without a lab restart.
+    WHEELHOUSE_DIR.mkdir(parents=True, exist_ok=True)
+    cmd.append(f"--bind-ro={WHEELHOUSE_DIR}:/srv/wheelhouse")
     started = time.monotonic()
     with open(state.log_file, "ab") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
