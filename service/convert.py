@@ -32,8 +32,10 @@ import shutil
 import signal
 import struct
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -148,14 +150,16 @@ class Progress:
         self.label = ""
         self.started = time.monotonic()
         self.last_draw = 0.0
+        self.lock = threading.Lock()  # the writer and the verifier thread both report
 
     def advance(self, nbytes: int, label: str) -> None:
-        self.done += nbytes
-        self.label = label
-        now = time.monotonic()
-        if self.enabled and (now - self.last_draw >= 0.1 or self.done >= self.total):
-            self.last_draw = now
-            self._draw(now)
+        with self.lock:
+            self.done += nbytes
+            self.label = label
+            now = time.monotonic()
+            if self.enabled and (now - self.last_draw >= 0.1 or self.done >= self.total):
+                self.last_draw = now
+                self._draw(now)
 
     def _draw(self, now: float) -> None:
         fraction = min(self.done / self.total, 1.0)
@@ -176,8 +180,12 @@ class Progress:
 # ---------------------------------------------------------------- small OS helpers
 
 
-def _stop_point(event: str) -> None:
+def _stop_point(event: str, settle: Callable[[], None] | None = None) -> None:
+    """Test hook (see STOP_AT_ENV). settle() first lets work in flight finish, so the files on
+    disk at the stop are well defined."""
     if os.environ.get(STOP_AT_ENV) == event:
+        if settle is not None:
+            settle()
         print(f"stop-point: {event}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
 
@@ -421,8 +429,9 @@ def _chunks(total: int, size: int) -> Iterator[tuple[int, int]]:
 
 
 def write_shard_file(path: Path, plan: ShardPlan, metadata: dict[str, str], progress: Progress,
-                     stop_event: str) -> None:
-    """Write header + raw tensor bytes straight from the (mapped) source memory, then fsync."""
+                     stop_event: str, settle: Callable[[], None] | None = None) -> None:
+    """Write header + raw tensor bytes straight from the (mapped) source memory (no fsync yet:
+    publish_shard does that after verifying, on the verifier thread)."""
     header = build_header(plan, metadata)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
@@ -435,9 +444,8 @@ def write_shard_file(path: Path, plan: ShardPlan, metadata: dict[str, str], prog
                 if in_place and plan.mmap_backed:
                     _release_source_pages(flat.data_ptr() + start, length)
                 progress.advance(length, f"write {path.name.lstrip('.')[:14]} {name}")
-                _stop_point(stop_event)
+                _stop_point(stop_event, settle)
             del view, flat
-        os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -493,27 +501,94 @@ def verify_shard_file(path: Path, plan: ShardPlan, source: Path, progress: Progr
     return header
 
 
-def convert_shard(shard: SourceShard, index: int, model_dir: Path, progress: Progress) -> dict[str, str]:
-    """Write, verify and atomically publish one output shard; returns its alias map."""
+def _explain_os_error(exc: OSError, final: Path) -> ConversionError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ConversionError(f"{final}: no space left on device while writing; temp file removed, "
+                               "originals untouched")
+    return ConversionError(f"{final}: {exc.strerror or exc}")
+
+
+def write_temp_shard(shard: SourceShard, number: int, model_dir: Path, progress: Progress,
+                     settle: Callable[[], None]) -> tuple[Path, ShardPlan]:
+    """Write one output shard to its temp file; the temp file is removed if anything fails."""
     final = model_dir / shard.output_name
     temp = _temp_path(final)
     state, mmap_backed = load_checkpoint(shard.path)
     plan = plan_shard(state, mmap_backed)
     try:
-        write_shard_file(temp, plan, _shard_metadata(shard.path, plan), progress, f"partial:{index}")
+        write_shard_file(temp, plan, _shard_metadata(shard.path, plan), progress, f"partial:{number}", settle)
+    except OSError as exc:
+        temp.unlink(missing_ok=True)
+        raise _explain_os_error(exc, final) from exc
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    return temp, plan
+
+
+def publish_shard(temp: Path, shard: SourceShard, plan: ShardPlan, model_dir: Path,
+                  progress: Progress) -> None:
+    """Verify the temp file bit for bit, fsync it, rename it into place and fsync the directory.
+
+    Verifying before the fsync reads the same page-cache bytes the fsync then makes durable, and
+    lets the disk write back while the comparison runs."""
+    final = model_dir / shard.output_name
+    try:
         verify_shard_file(temp, plan, shard.path, progress, f"verify {shard.output_name[:20]}")
+        fd = os.open(temp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(temp, final)
         _fsync_dir(model_dir)
     except OSError as exc:
         temp.unlink(missing_ok=True)
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise ConversionError(f"{final}: no space left on device while writing; temp file removed, "
-                                  f"originals untouched") from exc
-        raise ConversionError(f"{final}: {exc.strerror or exc}") from exc
+        raise _explain_os_error(exc, final) from exc
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
-    return plan.aliases
+
+
+def remove_own_temp_files(model_dir: Path) -> None:
+    for path in model_dir.glob(f".*.tmp-{os.getpid()}"):
+        path.unlink(missing_ok=True)
+
+
+def convert_shards(model_dir: Path, shards: list[SourceShard],
+                   progress: Progress) -> tuple[list[SourceShard], list[dict[str, str]]]:
+    """Convert or re-verify every shard; returns (shards written now, alias map per shard).
+
+    Shard N+1 is written while a worker thread verifies and publishes shard N, so the disk keeps
+    writing during verification (both threads spend their time in GIL-free I/O and torch.equal).
+    """
+    written: list[SourceShard] = []
+    aliases_by_shard: list[dict[str, str]] = []
+    publishing: list[Future] = []
+
+    def settle() -> None:
+        for future in publishing:
+            future.result()
+
+    try:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify") as verifier:
+            for number, shard in enumerate(shards, start=1):
+                aliases = None
+                if (model_dir / shard.output_name).exists():
+                    aliases = verify_existing_shard(shard, model_dir, progress)
+                if aliases is None:
+                    temp, plan = write_temp_shard(shard, number, model_dir, progress, settle)
+                    settle()  # at most one shard in verification; surfaces its error, if any
+                    publishing[:] = [verifier.submit(publish_shard, temp, shard, plan, model_dir, progress)]
+                    aliases = plan.aliases
+                    written.append(shard)
+                    del plan
+                aliases_by_shard.append(aliases)
+            settle()
+    except BaseException:
+        remove_own_temp_files(model_dir)  # the worker has finished: the executor waited for it
+        raise
+    return written, aliases_by_shard
 
 
 def verify_existing_shard(shard: SourceShard, model_dir: Path, progress: Progress) -> dict[str, str] | None:
@@ -660,17 +735,8 @@ def convert_model(model_dir: Path, *, check: bool, delete: bool, show_progress: 
     _stop_point("after-space-check")
     total = sum(s.stored_bytes for s in shards) + sum(s.stored_bytes for s in pending)
     progress = Progress(total, show_progress)
-    written: list[SourceShard] = []
-    aliases_by_shard = []
     try:
-        for number, shard in enumerate(shards, start=1):
-            aliases = None
-            if (model_dir / shard.output_name).exists():
-                aliases = verify_existing_shard(shard, model_dir, progress)
-            if aliases is None:
-                aliases = convert_shard(shard, number, model_dir, progress)
-                written.append(shard)
-            aliases_by_shard.append(aliases)
+        written, aliases_by_shard = convert_shards(model_dir, shards, progress)
     finally:
         progress.close()
     index_text = json.dumps(build_index(shards, aliases_by_shard), indent=2) + "\n"
