@@ -1,0 +1,177 @@
+"""Wait for a (re)started vLLM server to really serve: /health, then one real completion.
+
+Standard library only: runs on the host with the system python3 (`python3 -m service.rollout wait`).
+/health turns 200 once the engine is up, but only a completion proves the model, the tokenizer and
+the API key work together, so the rollout counts as done after the first 2xx completion.
+
+Prints one JSON line. The API key is read from the `VLLM_API_KEY=` line of an env file and never
+printed (error texts are scrubbed of it too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HEALTH_POLL_S = 1.0
+UNIT_POLL_S = 5.0  # systemctl is cheap but not free; a crash is still noticed within seconds
+HEALTH_REQUEST_TIMEOUT_S = 5.0
+
+
+class RolloutFailed(Exception):
+    """The reason the rollout is not ok; becomes {"ok": false, "reason": ...}."""
+
+
+@dataclass
+class Clock:
+    origin: float  # epoch seconds that the reported times are measured from
+    deadline: float  # epoch seconds
+
+    def since_origin(self) -> float:
+        return round(time.time() - self.origin, 3)
+
+    def remaining(self) -> float:
+        return self.deadline - time.time()
+
+
+def read_api_key(path: str) -> str:
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise RolloutFailed(f"cannot read API key file {path}: {exc.strerror}") from None
+    for line in lines:
+        name, sep, value = line.strip().removeprefix("export ").partition("=")
+        if sep and name.strip() == "VLLM_API_KEY":
+            return value.strip().strip("'\"")
+    raise RolloutFailed(f"no VLLM_API_KEY= line in {path}")
+
+
+def scrub(text: str, secret: str | None) -> str:
+    return text.replace(secret, "***") if secret else text
+
+
+def unit_has_failed(unit: str) -> bool:
+    """`systemctl is-failed` exits 0 only for the failed state (not while auto-restarting)."""
+    if shutil.which("systemctl") is None:
+        return False
+    result = subprocess.run(
+        ["systemctl", "is-failed", "--quiet", unit], capture_output=True, timeout=10, check=False
+    )
+    return result.returncode == 0
+
+
+def health_status(base_url: str) -> str | None:
+    """None when /health answers 200, else a short description of what it did instead."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/health", timeout=HEALTH_REQUEST_TIMEOUT_S) as response:
+            return None if response.status == 200 else f"HTTP {response.status}"
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}"
+    except (urllib.error.URLError, OSError) as exc:
+        return str(getattr(exc, "reason", exc))
+
+
+def wait_for_health(base_url: str, clock: Clock, unit: str | None) -> None:
+    last_unit_check = 0.0
+    while True:
+        state = health_status(base_url)
+        if state is None:
+            return
+        if unit and time.monotonic() - last_unit_check >= UNIT_POLL_S:
+            last_unit_check = time.monotonic()
+            if unit_has_failed(unit):
+                raise RolloutFailed(f"unit {unit} failed while waiting for /health (last: {state})")
+        if clock.remaining() <= 0:
+            raise RolloutFailed(
+                f"timeout after {clock.since_origin()}s waiting for {base_url}/health (last: {state})"
+            )
+        time.sleep(min(HEALTH_POLL_S, max(clock.remaining(), 0)))
+
+
+def completion_request(base_url: str, model: str, prompt: str, max_tokens: int, api_key: str | None):
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    return urllib.request.Request(
+        f"{base_url}/v1/completions", data=json.dumps(body).encode(), headers=headers, method="POST"
+    )
+
+
+def first_completion(
+    base_url: str, model: str, prompt: str, max_tokens: int, api_key: str | None, clock: Clock
+) -> tuple[int, float]:
+    """(completion tokens, milliseconds) of one real completion."""
+    request = completion_request(base_url, model, prompt, max_tokens, api_key)
+    started = time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=max(clock.remaining(), 1.0)) as response:
+            payload: dict[str, Any] = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        detail = exc.read()[:300].decode(errors="replace")
+        raise RolloutFailed(scrub(f"completion HTTP {exc.code}: {detail}", api_key)) from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise RolloutFailed(scrub(f"completion failed: {getattr(exc, 'reason', exc)}", api_key)) from None
+    elapsed_ms = round((time.monotonic() - started) * 1000, 1)
+    tokens = int((payload.get("usage") or {}).get("completion_tokens") or 0)
+    if tokens < 1:
+        raise RolloutFailed(f"completion returned no tokens: {json.dumps(payload)[:300]}")
+    return tokens, elapsed_ms
+
+
+def wait(args: argparse.Namespace) -> dict[str, Any]:
+    started = time.time()
+    clock = Clock(origin=args.since_epoch or started, deadline=started + args.timeout)
+    api_key = read_api_key(args.api_key_file) if args.api_key_file else None
+    base_url = args.base_url.rstrip("/")
+    wait_for_health(base_url, clock, args.unit)
+    health_after = clock.since_origin()
+    tokens, completion_ms = first_completion(
+        base_url, args.model, args.prompt, args.max_tokens, api_key, clock
+    )
+    return {
+        "ok": True,
+        "health_after_s": health_after,
+        "first_completion_after_s": clock.since_origin(),
+        "tokens": tokens,
+        "completion_ms": completion_ms,
+    }
+
+
+def build_cli() -> argparse.ArgumentParser:
+    cli = argparse.ArgumentParser(prog="python3 -m service.rollout", description=__doc__.split("\n")[0])
+    commands = cli.add_subparsers(dest="command", required=True)
+    sub = commands.add_parser("wait", help="wait for /health and one real completion")
+    sub.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    sub.add_argument("--model", required=True, help="served model name")
+    sub.add_argument("--api-key-file", help="env file with a VLLM_API_KEY= line")
+    sub.add_argument("--timeout", type=float, default=600.0, help="seconds from the command start")
+    sub.add_argument("--since-epoch", type=float, help="measure reported times from this epoch time")
+    sub.add_argument("--prompt", default="Hello")
+    sub.add_argument("--max-tokens", type=int, default=8)
+    sub.add_argument("--unit", help="systemd unit: fail fast when it enters the failed state")
+    return cli
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_cli().parse_args(argv)
+    try:
+        result = wait(args)
+    except RolloutFailed as exc:
+        print(json.dumps({"ok": False, "reason": str(exc)}))
+        return 1
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
