@@ -480,18 +480,20 @@ def test_not_enough_space_fails_before_writing(tmp_path: Path, small_fs) -> None
     assert snapshot(model) == before
 
 
-def test_disk_full_mid_write_removes_temp_and_keeps_originals(tmp_path: Path, small_fs) -> None:
+@pytest.mark.parametrize("shard_count", [1, 2])
+def test_disk_full_mid_write_removes_temp_and_keeps_originals(tmp_path: Path, small_fs, shard_count: int) -> None:
     model = small_fs(64)
-    state = random_state(31, rows=8192, count=4)
-    torch.save(state, model / "pytorch_model.bin")
-    original = sha256(model / "pytorch_model.bin")
+    shards = [random_state(31 + i, prefix=f"s{i}", rows=8192) for i in range(shard_count)]  # ~12.6 MB each
+    sources = make_sharded(model, shards)
+    originals = {p.name: sha256(p) for p in sources}
+    shard_bytes = sum(t.numel() * t.element_size() for t in shards[0].values())
     process = start_cli(model, "after-space-check")
     try:
         wait_for_stop_point(process, "after-space-check")
-        # Another writer takes the space after the converter checked it.
+        # Another writer takes the space after the converter checked it: room for half the last shard.
         free = os.statvfs(model).f_bavail * os.statvfs(model).f_frsize
         with (model / "filler").open("wb") as f:
-            f.write(b"\0" * (free - 1024 * 1024))
+            f.write(b"\0" * int(free - (shard_count - 0.5) * shard_bytes))
         process.send_signal(signal.SIGCONT)
         _, stderr = process.communicate(timeout=60)
     finally:
@@ -499,12 +501,15 @@ def test_disk_full_mid_write_removes_temp_and_keeps_originals(tmp_path: Path, sm
             process.kill()
             process.communicate()
     assert process.returncode == 1
-    assert "no space left on device" in stderr and "model-00001-of-00001.safetensors" in stderr
-    assert sorted(p.name for p in model.iterdir()) == ["filler", "pytorch_model.bin"]
-    assert sha256(model / "pytorch_model.bin") == original
+    last = f"model-{shard_count:05d}-of-{shard_count:05d}.safetensors"
+    assert "no space left on device" in stderr and last in stderr
+    assert not list(model.glob(".*tmp-*")) and not (model / last).exists() and not (model / INDEX).exists()
+    for earlier in model.glob("model-*.safetensors"):  # a shard finished before the disk filled up
+        assert check_safetensors_file(earlier) == []
+    assert {p.name: sha256(p) for p in sources} == originals
     (model / "filler").unlink()
     assert run_cli(model, "--no-progress").returncode == 0
-    assert_same_bits(state, load_converted(model))
+    assert_same_bits(merged(shards), load_converted(model))
 
 
 # ---------------------------------------------------------------- safetensors_check on its own
