@@ -138,10 +138,10 @@ def test_single_file_checkpoint_converts_and_verifies(tmp_path: Path) -> None:
     assert not list(tmp_path.glob(".*tmp-*"))
 
 
-def test_sharded_checkpoint_with_index(tmp_path: Path) -> None:
+def test_sharded_checkpoint_with_index(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     shards = [random_state(seed, prefix=f"block{seed}") for seed in range(3)]
     make_sharded(tmp_path, shards)
-    result = run_cli(tmp_path, "--json", "--no-progress")
+    result = run_in_process(capsys, tmp_path, "--json", "--no-progress")
     assert result.returncode == 0, result.stderr
     index = json.loads((tmp_path / INDEX).read_text())
     names = [f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)]
@@ -256,7 +256,7 @@ def test_delete_originals_in_one_go(tmp_path: Path) -> None:
     assert_same_bits(state, load_converted(tmp_path))
 
 
-def test_corrupted_output_shard_is_detected_and_rewritten(tmp_path: Path) -> None:
+def test_corrupted_output_shard_is_detected_and_rewritten(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     state = random_state(14)
     torch.save(state, tmp_path / "pytorch_model.bin")
     assert convert.main([str(tmp_path), "--no-progress"]) == 0
@@ -265,7 +265,7 @@ def test_corrupted_output_shard_is_detected_and_rewritten(tmp_path: Path) -> Non
     data[-3] ^= 0xFF  # same size, valid header: only a byte comparison can notice
     shard.write_bytes(bytes(data))
     assert check_safetensors_file(shard) == []
-    result = run_cli(tmp_path, "--json", "--no-progress")
+    result = run_in_process(capsys, tmp_path, "--json", "--no-progress")
     assert result.returncode == 0, result.stderr
     assert "differs from pytorch_model.bin" in result.stderr
     assert last_json(result.stdout)["changed"] is True
@@ -275,12 +275,12 @@ def test_corrupted_output_shard_is_detected_and_rewritten(tmp_path: Path) -> Non
 # ---------------------------------------------------------------- refusals and failures
 
 
-def test_truncated_bin_fails_cleanly(tmp_path: Path) -> None:
+def test_truncated_bin_fails_cleanly(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     source = tmp_path / "pytorch_model.bin"
     torch.save(random_state(2), source)
     source.write_bytes(source.read_bytes()[: source.stat().st_size // 2])
     before = snapshot(tmp_path)
-    result = run_cli(tmp_path, "--json", "--no-progress")
+    result = run_in_process(capsys, tmp_path, "--json", "--no-progress")
     assert result.returncode == 1
     assert "error:" in result.stderr and "pytorch_model.bin" in result.stderr
     assert last_json(result.stdout)["failed"] is True
@@ -320,19 +320,19 @@ def test_non_tensor_values_are_refused(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("*.safetensors"))
 
 
-def test_foreign_file_with_output_name_is_not_overwritten(tmp_path: Path) -> None:
+def test_foreign_file_with_output_name_is_not_overwritten(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     torch.save(random_state(4), tmp_path / "pytorch_model.bin")
     foreign = tmp_path / "model-00001-of-00001.safetensors"
     save_file({"other": torch.ones(3)}, foreign)
     digest = sha256(foreign)
-    result = run_cli(tmp_path, "--no-progress")
+    result = run_in_process(capsys, tmp_path, "--no-progress")
     assert result.returncode == 1 and "refusing to overwrite" in result.stderr
     assert sha256(foreign) == digest
     assert not (tmp_path / INDEX).exists()
 
 
 def test_usage_errors_exit_2(tmp_path: Path) -> None:
-    assert run_cli(tmp_path / "missing").returncode == 2
+    assert convert.main([str(tmp_path / "missing")]) == 2
     assert run_cli(tmp_path, "--bogus").returncode == 2
 
 
@@ -470,18 +470,20 @@ def small_fs(tmp_path: Path) -> Iterator[callable]:
         subprocess.run(["umount", str(target)], check=False)
 
 
-def test_not_enough_space_fails_before_writing(tmp_path: Path, small_fs) -> None:
+def test_not_enough_space_fails_before_writing(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                               small_fs) -> None:
     model = small_fs(24)
     torch.save(random_state(30, rows=8192, count=4), model / "pytorch_model.bin")  # ~12 MB
     before = snapshot(model)
-    result = run_cli(model, "--no-progress")
+    result = run_in_process(capsys, model, "--no-progress")
     assert result.returncode == 1
     assert "not enough free space" in result.stderr and str(model) in result.stderr
     assert snapshot(model) == before
 
 
 @pytest.mark.parametrize("shard_count", [1, 2])
-def test_disk_full_mid_write_removes_temp_and_keeps_originals(tmp_path: Path, small_fs, shard_count: int) -> None:
+def test_disk_full_mid_write_removes_temp_and_keeps_originals(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                              small_fs, shard_count: int) -> None:
     model = small_fs(64)
     shards = [random_state(31 + i, prefix=f"s{i}", rows=8192) for i in range(shard_count)]  # ~12.6 MB each
     sources = make_sharded(model, shards)
@@ -508,7 +510,7 @@ def test_disk_full_mid_write_removes_temp_and_keeps_originals(tmp_path: Path, sm
         assert check_safetensors_file(earlier) == []
     assert {p.name: sha256(p) for p in sources} == originals
     (model / "filler").unlink()
-    assert run_cli(model, "--no-progress").returncode == 0
+    assert run_in_process(capsys, model, "--no-progress").returncode == 0
     assert_same_bits(merged(shards), load_converted(model))
 
 
