@@ -176,9 +176,8 @@ def main() -> int:
             convert_runs.append(run_converter(model_dir))
             subprocess.run(["sync"], check=True)
         cp_s, cp_sync_s = min(run[0] for run in cp_runs), min(run[1] for run in cp_runs)
-        conv_s = min(run[0] for run in convert_runs)
+        conv_s, _, result = min(convert_runs, key=lambda run: run[0])
         peak_rss = max(run[1] for run in convert_runs)
-        result = convert_runs[-1][2]
         outputs = sorted(model_dir.glob("model-*.safetensors"))
         bin_load_s, st_load_s = time_loads(bins, outputs)
         results = {

@@ -8,8 +8,9 @@ Runs on the target host with the vLLM venv's python (torch + safetensors; no tqd
 * Every input shard becomes one output shard ``model-XXXXX-of-YYYYY.safetensors`` (1-based, also for a
   single input), and ``model.safetensors.index.json`` is always written, last and atomically: a model
   counts as converted only once that index exists.
-* Each shard is written to ``.NAME.tmp-PID`` in the model directory, fsynced, verified bit for bit
-  against the source tensors, renamed into place and the directory fsynced. Errors remove the temp
+* Each shard is written to ``.NAME.tmp-PID`` in the model directory, re-read and verified bit for bit
+  against the source tensors, fsynced, renamed into place and the directory fsynced (verification
+  and publishing of shard N run on a worker thread while shard N+1 is written). Errors remove the temp
   file; temp files of a killed run are removed at the next start; originals are never modified and are
   deleted only with --delete-originals after every shard and the index verified.
 * A re-run skips output shards that already exist after verifying them against the source again.
