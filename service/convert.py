@@ -682,14 +682,13 @@ def verify_safetensors_model(model_dir: Path, started: float, ignored_sources: l
     problems = check_safetensors_dir(model_dir)
     if problems:
         raise ConversionError("; ".join(problems))
-    files = sorted(str(p) for p in model_dir.glob("*.safetensors"))
-    nbytes = sum(Path(f).stat().st_size for f in files)
-    if (model_dir / INDEX_NAME).exists():
-        files.append(str(model_dir / INDEX_NAME))
+    shard_files = sorted(str(p) for p in model_dir.glob("*.safetensors"))
+    nbytes = sum(Path(f).stat().st_size for f in shard_files)
+    index = [str(model_dir / INDEX_NAME)] if (model_dir / INDEX_NAME).exists() else []
     note = f" ({len(ignored_sources)} .bin/.pt files left as they are)" if ignored_sources else ""
-    return Outcome(False, "verified", len(files) - (model_dir / INDEX_NAME).exists(), nbytes,
-                   time.monotonic() - started, files,
-                   f"nothing to convert: {len(files)} safetensors file(s) verified (header and size){note}")
+    summary = f"nothing to convert: {len(shard_files)} safetensors file(s) verified (header and size){note}"
+    return Outcome(False, "verified", len(shard_files), nbytes, time.monotonic() - started,
+                   shard_files + index, summary)
 
 
 def plan_check_mode(model_dir: Path, shards: list[SourceShard], delete: bool, started: float) -> Outcome:

@@ -365,8 +365,9 @@ def test_already_safetensors_model_is_left_alone(tmp_path: Path, capsys: pytest.
     before = snapshot(tmp_path)
     result = run_in_process(capsys, tmp_path, "--json", "--delete-originals")
     assert result.returncode == 0, result.stderr
-    assert "nothing to convert" in result.stderr
-    assert last_json(result.stdout)["changed"] is False
+    assert "nothing to convert: 2 safetensors file(s)" in result.stderr
+    summary = last_json(result.stdout)
+    assert (summary["changed"], summary["action"], summary["shards"]) == (False, "verified", 2)
     assert snapshot(tmp_path) == before
     shard = tmp_path / "model-00001-of-00002.safetensors"
     shard.write_bytes(shard.read_bytes()[:-4])
