@@ -35,9 +35,12 @@ ROOTFS_PACKAGES = [
     "grub2-common", "grub-pc-bin", "linux-image-cloud-amd64",
 ]
 MODEL_DISK_SIZE = "2G"
-# The root file system lives on its own loop device, bound into the lab, so that grub-probe
-# can resolve and read the device behind "/" exactly as on a real disk.
+# The root file system lives on a block device of its own, bound into the lab. A zram device
+# (compressed RAM) is preferred: grub-probe treats it as a plain disk, so the real update-grub
+# works inside the lab. A loop device is the fallback, but grub-probe follows a loop device to its
+# backing file, which does not exist inside the lab, so update-grub cannot run there.
 ROOT_DISK_SIZE = "6G"
+ZRAM_CONTROL = Path("/sys/class/zram-control")
 BOOT_TIMEOUT_S = 90
 STOP_TIMEOUT_S = 30
 
@@ -55,6 +58,7 @@ class LabState:
     nspawn_pid: int = 0
     loop_device: str = ""
     root_loop_device: str = ""
+    root_zram_device: str = ""
     started_at: float = 0.0
     boot_seconds: float = 0.0
     extra: dict = field(default_factory=dict)
@@ -208,8 +212,15 @@ def ensure_rootfs_cache() -> tuple[Path, bool]:
 
 
 def create_root_disk(state: LabState, tarball: Path) -> None:
-    run(["truncate", "-s", ROOT_DISK_SIZE, str(state.root_image)])
-    run(["mkfs.ext4", "-q", "-F", "-L", "gptoss-root", str(state.root_image)])
+    if (ZRAM_CONTROL / "hot_add").exists() and os.environ.get("GPTOSS_LAB_ROOT", "zram") == "zram":
+        number = (ZRAM_CONTROL / "hot_add").read_text().strip()
+        state.root_zram_device = f"/dev/zram{number}"
+        state.save()
+        Path(f"/sys/block/zram{number}/disksize").write_text(ROOT_DISK_SIZE)
+        run(["mkfs.ext4", "-q", "-F", "-L", "gptoss-root", state.root_zram_device])
+    else:
+        run(["truncate", "-s", ROOT_DISK_SIZE, str(state.root_image)])
+        run(["mkfs.ext4", "-q", "-F", "-L", "gptoss-root", str(state.root_image)])
     state.root.mkdir(parents=True)
     mount_root_disk(state)
     run(["tar", "--numeric-owner", "--xattrs", "-C", str(state.root), "-xf", str(tarball)])
@@ -217,11 +228,18 @@ def create_root_disk(state: LabState, tarball: Path) -> None:
 
 
 def mount_root_disk(state: LabState) -> None:
-    """Attach the root image and mount it on rootfs/ (idempotent: after a lab restart it stays)."""
-    if not state.root_loop_device or loop_backing_file(state.root_loop_device) != str(state.root_image):
+    """Attach the root disk and mount it on rootfs/ (idempotent: after a lab restart it stays)."""
+    if state.root_zram_device:
+        if not Path(state.root_zram_device).exists():
+            raise LabError(f"{state.root_zram_device} is gone (host rebooted?): run lab.down, then lab.up")
+    elif not state.root_loop_device or loop_backing_file(state.root_loop_device) != str(state.root_image):
         state.root_loop_device = attach_loop(state.root_image)
     if not os.path.ismount(state.root):
-        run(["mount", state.root_loop_device, str(state.root)])
+        run(["mount", root_device(state), str(state.root)])
+
+
+def root_device(state: LabState) -> str:
+    return state.root_zram_device or state.root_loop_device
 
 
 def configure_rootfs(state: LabState) -> None:
@@ -357,7 +375,7 @@ def boot(state: LabState) -> None:
         state.loop_device = attach_loop(state.disk_image)
     cmd = ["systemd-nspawn", "-D", str(state.root), "--boot", "--register=no", "--keep-unit",
            "--console=passive", f"--machine={state.machine_name}", f"--bind={state.loop_device}",
-           f"--bind={state.root_loop_device}"]
+           f"--bind={root_device(state)}"]
     # An offline wheelhouse, as on an air-gapped GPU host: vllm_service installs from it.
     # Bound even while empty, so wheels downloaded later show up without a lab restart.
     WHEELHOUSE_DIR.mkdir(parents=True, exist_ok=True)
@@ -443,6 +461,8 @@ def destroy(state: LabState) -> None:
     for device, image in ((state.loop_device, state.disk_image), (state.root_loop_device, state.root_image)):
         if device and loop_backing_file(device) == str(image):
             run(["losetup", "-d", device], check=False)
+    if state.root_zram_device and Path(state.root_zram_device).exists() and not os.path.ismount(state.root):
+        (ZRAM_CONTROL / "hot_remove").write_text(state.root_zram_device.removeprefix("/dev/zram"))
     # nspawn may still be unmounting its API file systems for a moment after exit.
     for _ in range(20):
         shutil.rmtree(state.lab_dir, ignore_errors=True)
@@ -488,7 +508,7 @@ def inventory(name: str) -> dict:
     """Ansible inventory for the lab, from its state file."""
     state = load_state(name)
     if state is None:
-        return {"_meta": {"hostvars": {}}, "lab": {"hosts": []}}
+        return {"_meta": {"hostvars": {}}, "lab": {"hosts": []}, "gptoss_hosts": {"children": ["lab"]}}
     host = state.machine_name
     hostvars = {
         "ansible_host": state.address,
@@ -498,5 +518,7 @@ def inventory(name: str) -> dict:
         "gptoss_lab_name": state.name,
         "gptoss_lab_address": state.address,
         "model_mount_device": state.loop_device,
+        # update-grub works only where grub-probe can resolve the lab's root device (zram).
+        "gptoss_lab_grub_probe_works": bool(state.root_zram_device),
     }
-    return {"_meta": {"hostvars": {host: hostvars}}, "lab": {"hosts": [host]}}
+    return {"_meta": {"hostvars": {host: hostvars}}, "lab": {"hosts": [host]}, "gptoss_hosts": {"children": ["lab"]}}

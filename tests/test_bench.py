@@ -252,3 +252,14 @@ def test_prometheus_parser_on_the_real_endpoint(server: str) -> None:
     assert "vllm:num_requests_waiting" in values
     assert "vllm:num_preemptions_total" in values
     assert 0.0 <= values["vllm:kv_cache_usage_perc"] <= 1.0
+
+
+def test_request_rate_runs_one_open_loop_level(server: str, tmp_path: Path) -> None:
+    out = tmp_path / "rate.json"
+    proc = run_bench("--base-url", server, "--model", MODEL_NAME, "--request-rate", "20", "--num-prompts", 4,
+                     "--input-len", 16, "--output-len", 8, "--json", out, "--plot", tmp_path / "rate.png")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [level] = json.loads(out.read_text())["levels"]
+    assert level["label"] == "rate=20/s" and level["concurrency"] is None
+    assert level["output_tokens"] == 4 * 8
+    assert (tmp_path / "rate.png").read_bytes()[:4] == b"\x89PNG"

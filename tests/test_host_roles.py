@@ -101,6 +101,32 @@ def test_kernel_cmdline_dropin_and_reboot_required(lab: Lab, converged):
     lab.sh(". /etc/default/grub && . /etc/default/grub.d/60-gptoss.cfg && echo \"$GRUB_CMDLINE_LINUX_DEFAULT\"")
 
 
+def test_real_update_grub_put_the_flags_on_every_kernel_line_once(lab: Lab):
+    """The handler ran the real update-grub inside the lab (its root is a zram block device)."""
+    assert lab.state.root_zram_device, "lab root is not on zram: update-grub could not run there"
+    linux_lines = [line for line in lab.sh("cat /boot/grub/grub.cfg").splitlines() if line.strip().startswith("linux")]
+    assert linux_lines, "grub.cfg has no kernel entries"
+    for line in linux_lines:
+        for flag in ("nvidia.NVreg_EnableGpuFirmware=1", "nvidia.NVreg_UsePageAttributeTable=1"):
+            assert line.split().count(flag) == 1, line
+
+
+def test_grub_is_regenerated_with_a_backup_when_the_flags_change(lab: Lab):
+    extra = {"kernel_cmdline_flags": ["nvidia.NVreg_EnableGpuFirmware=1", "nvidia.NVreg_UsePageAttributeTable=1",
+                                      "nvidia.NVreg_PreserveVideoMemoryAllocations=1"]}
+    try:
+        result = lab.play("playbooks/host.yml", "--tags", "kernel_cmdline", extra_vars=extra)
+        assert result.rc == 0, result.output[-3000:]
+        assert "RUNNING HANDLER [kernel_cmdline : Regenerate the GRUB config]" in result.output
+        assert "nvidia.NVreg_PreserveVideoMemoryAllocations=1" in lab.sh(r"grep -m1 '^\s*linux' /boot/grub/grub.cfg")
+        backup = lab.sh("cat /boot/grub/grub.cfg.gptoss-bak")
+        assert "PreserveVideoMemoryAllocations" not in backup and "NVreg_EnableGpuFirmware=1" in backup
+    finally:
+        restored = lab.play("playbooks/host.yml", "--tags", "kernel_cmdline")
+        assert restored.rc == 0
+    assert "PreserveVideoMemoryAllocations" not in lab.sh("cat /boot/grub/grub.cfg")
+
+
 def test_kernel_cmdline_modprobe_alternative_in_check_mode(lab: Lab):
     result = lab.play("playbooks/host.yml", "--tags", "kernel_cmdline", "--check", "--diff",
                       extra_vars={"kernel_cmdline_method": "modprobe"})

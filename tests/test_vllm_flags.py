@@ -179,10 +179,18 @@ def test_engine_config_rejects_gpu_memory_utilization_above_one(tmp_path, tiny_m
     assert len(lines) == 1
     assert lines[0].startswith("--gpu-memory-utilization: invalid value '1.7' (")
     assert "less than or equal to 1" in lines[0]
-    # Parsing alone accepts 1.7: only the engine builder knows the range.
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_parse_only_option_skips_the_engine_builder(tmp_path, tiny_model):
+    out = tmp_path / "vllm-args.json"
+    flags = {"max-model-len": 256, "gpu-memory-utilization": 1.7}  # fails only at level full
     result = run_validator(tmp_path, flags, tiny_model, "--parse-only", "--out", str(out))
     assert result.returncode == 0, result.stderr
-    assert json.loads(out.read_text())["validated"] == "parse-only"
+    assert result.stdout == ""
+    report = json.loads(out.read_text())
+    assert (report["validated"], report["parse_only_reason"]) == ("parse-only", "--parse-only given")
 
 
 def test_api_key_is_refused_before_vllm_is_even_imported(tmp_path, tiny_model):
@@ -222,6 +230,7 @@ def api_results(tiny_model) -> dict:
         "cpu-lab": {"flags": profiles["cpu-lab"]["flags"], "full": True, "env": profiles["cpu-lab"]["env"]},
         "too-long": {"flags": {"max-model-len": 4096, "dtype": "float32"}, "full": True},
         "too-long-parse": {"flags": {"max-model-len": 4096, "dtype": "float32"}, "full": False},
+        "gmu-parse": {"flags": {"gpu-memory-utilization": 1.7}, "full": False},
         "batch-vs-len": {
             "flags": {"max-model-len": 256, "max-num-batched-tokens": 64, "enable-chunked-prefill": False},
             "full": True,
@@ -262,6 +271,8 @@ def test_engine_config_errors_need_the_model_and_map_to_the_flag(api_results):
     [error] = api_results["too-long"]["errors"]
     assert error.startswith("--max-model-len: invalid value '4096' (") and "max_position_embeddings=512" in error
     assert api_results["too-long-parse"]["errors"] == []
+    # Parsing alone accepts 1.7 too: only the engine builder knows the range (see the CLI test).
+    assert api_results["gmu-parse"]["errors"] == []
     # A cross-flag check names both flags that the message is about, not the word "model".
     errors = api_results["batch-vs-len"]["errors"]
     assert [e.split(":")[0] for e in errors] == ["--max-model-len", "--max-num-batched-tokens"]
