@@ -249,15 +249,6 @@ def _release_source_pages(address: int, length: int) -> None:
         _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
 
 
-def _start_writeback(fd: int, offset: int, length: int) -> None:
-    """Ask the kernel to start writing this range to disk now (sync_file_range WRITE, no wait).
-
-    With GBs of RAM the kernel would otherwise let a whole shard sit dirty until fsync, leaving the
-    disk idle while we write; starting early keeps it busy and makes the later fsync short."""
-    if _LIBC is not None and hasattr(_LIBC, "sync_file_range"):
-        _LIBC.sync_file_range(fd, ctypes.c_int64(offset), ctypes.c_int64(length), ctypes.c_uint(2))
-
-
 def _byte_view(flat_u8: torch.Tensor) -> memoryview:
     """Zero-copy memoryview of a contiguous uint8 CPU tensor (works for bf16 sources too, and
     needs no numpy). The caller keeps the tensor alive while the view is used."""
@@ -446,14 +437,11 @@ def write_shard_file(path: Path, plan: ShardPlan, metadata: dict[str, str], prog
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         _write_all(fd, memoryview(struct.pack("<Q", len(header)) + header))
-        offset = 8 + len(header)
         for name, tensor in plan.tensors:
             flat, in_place = _as_flat_bytes(tensor)
             view = _byte_view(flat)
             for start, length in _chunks(len(view), WRITE_CHUNK):
                 _write_all(fd, view[start : start + length])
-                _start_writeback(fd, offset, length)
-                offset += length
                 if in_place and plan.mmap_backed:
                     _release_source_pages(flat.data_ptr() + start, length)
                 progress.advance(length, f"write {path.name.lstrip('.')[:14]} {name}")
