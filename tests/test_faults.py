@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -62,7 +63,7 @@ def test_off_loopback_bind_without_a_key_is_refused(lab: Lab):
 
 @pytest.fixture
 def keyed_server(lab: Lab):
-    result = lab.play("playbooks/vllm.yml", extra_vars={"vllm_service_api_key": API_KEY})
+    result = lab.play("playbooks/vllm.yml", extra_vars={"vllm_service_api_key": API_KEY, "reverse_proxy_enabled": True})
     assert result.rc == 0, result.output[-4000:]
     yield result
     restored = lab.play("playbooks/vllm.yml")
@@ -80,3 +81,20 @@ def test_api_key_guards_v1_and_never_leaks(lab: Lab, keyed_server):
     assert API_KEY not in lab.sh(f"tr '\\0' ' ' < /proc/{pid}/cmdline")
     assert API_KEY not in lab.sh("cat /etc/systemd/system/gptoss-vllm.service")
     assert API_KEY not in lab.sh("journalctl -u gptoss-vllm --no-pager -o cat")
+
+
+def test_https_completion_through_the_reverse_proxy(lab: Lab, keyed_server, tmp_path):
+    cert = tmp_path / "proxy.crt"
+    cert.write_text(lab.sh("cat /etc/gptoss/tls/proxy.crt"))
+    context = ssl.create_default_context(cafile=str(cert))  # real verification against the lab's cert
+    url = f"https://{lab.state.address}:8443/v1/completions"
+    body = json.dumps({"model": "tiny-llama", "prompt": "Hello", "max_tokens": 4}).encode()
+    wait_serving(lab, headers={"Authorization": f"Bearer {API_KEY}"})
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json",
+                                                              "Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(request, timeout=30, context=context) as response:
+        assert json.loads(response.read())["usage"]["completion_tokens"] == 4
+    anonymous = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as denied:
+        urllib.request.urlopen(anonymous, timeout=30, context=context)
+    assert denied.value.code == 401
