@@ -142,6 +142,6 @@ def converged(fresh_lab: Lab) -> Converge:
     return Converge(before, after, check_run, first, second)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def lab(converged: Converge, fresh_lab: Lab) -> Lab:
     return fresh_lab

@@ -61,7 +61,7 @@ def test_off_loopback_bind_without_a_key_is_refused(lab: Lab):
     assert lab.checksums("/etc/systemd/system/gptoss-vllm.service") == before
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def keyed_server(lab: Lab):
     result = lab.play("playbooks/vllm.yml", extra_vars={"vllm_service_api_key": API_KEY, "reverse_proxy_enabled": True})
     assert result.rc == 0, result.output[-4000:]
