@@ -322,7 +322,10 @@ def flags_named_in(message: str, argv: list[str]) -> list[str]:
         # Bounded so that "model" does not match inside "max_model_len".
         if any(re.search(rf"(?<![\w-]){re.escape(form)}(?![\w-])", text) for form in forms):
             named.append(option)
-    return named
+    # One-word names ("model", "dtype") are also common words in messages; a named multi-word
+    # flag ("max_model_len") is the specific one.
+    specific = [option for option in named if "-" in option.lstrip("-")]
+    return specific or named
 
 
 def first_line(text: str) -> str:
