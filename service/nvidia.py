@@ -1,0 +1,220 @@
+"""NVIDIA driver facts from /proc and NVML (runs on the host, stdlib only; pynvml is optional).
+
+``python3 -m service.nvidia --json`` prints ``nvml_snapshot()``; the nvidia_driver and nccl_env roles
+call it on the host so there is one reading of "what driver / GPUs / P2P does this box have".
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+PROC_VERSION = Path("/proc/driver/nvidia/version")
+PROC_PARAMS = Path("/proc/driver/nvidia/params")
+# The project's absolute floor (R535 LTS); the CUDA build usually needs more.
+PROJECT_DRIVER_FLOOR = "535"
+
+# Minimum Linux x86_64 "Toolkit Driver Version" of each CUDA GA release, from NVIDIA's CUDA Toolkit
+# Release Notes, table "CUDA Toolkit and Corresponding Driver Versions"
+# (https://docs.nvidia.com/cuda/cuda-toolkit-release-notes/index.html). A build of CUDA X.Y needs at
+# least this driver for full support; CUDA 12.x minor-version compatibility would accept >= 525.60.13,
+# but PTX JIT and newer features then fail, so the verify contract uses the toolkit column.
+CUDA_TOOLKIT_DRIVER: dict[tuple[int, int], str] = {
+    (12, 0): "525.60.13",
+    (12, 1): "530.30.02",
+    (12, 2): "535.54.03",
+    (12, 3): "545.23.06",
+    (12, 4): "550.54.14",
+    (12, 5): "555.42.02",
+    (12, 6): "560.28.03",
+    (12, 8): "570.26",
+    (12, 9): "575.51.03",
+    (13, 0): "580.65.06",
+}
+
+# nvmlGpuP2PStatus_t values (nvml.h); 0 means the pair can do P2P reads.
+P2P_STATUS_NAMES = {
+    0: "ok",
+    1: "chipset_not_supported",
+    2: "gpu_not_supported",
+    3: "ioh_topology_not_supported",
+    4: "disabled_by_regkey",
+    5: "not_supported",
+    6: "unknown",
+}
+UNSUPPORTED = "unsupported"
+
+_VERSION_RE = re.compile(r"NVRM version:\s*(?P<desc>.*?Kernel Module.*?)\s+(?P<ver>\d+\.\d+(?:\.\d+)?)\b")
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """'580.159.04' -> (580, 159, 4); raises ValueError on anything that is not dotted numbers."""
+    return tuple(int(part) for part in str(version).strip().split("."))
+
+
+def parse_proc_version(text: str) -> dict[str, str]:
+    """Driver version and kernel module flavour from /proc/driver/nvidia/version text.
+
+    Open module:        'NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build ...'
+    Proprietary module: 'NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 ...'
+    """
+    match = _VERSION_RE.search(text)
+    if not match:
+        raise ValueError("no 'NVRM version: ... Kernel Module ... <version>' line")
+    kernel_module = "open" if "Open Kernel Module" in match.group("desc") else "proprietary"
+    return {"driver_version": match.group("ver"), "kernel_module": kernel_module}
+
+
+def parse_proc_params(text: str) -> dict[str, str]:
+    """'Name: value' lines of /proc/driver/nvidia/params -> {Name: value} (values kept as text)."""
+    params: dict[str, str] = {}
+    for line in text.splitlines():
+        name, sep, value = line.partition(":")
+        if sep and name.strip():
+            params[name.strip()] = value.strip().strip('"')
+    return params
+
+
+def read_proc_driver(version_path: Path = PROC_VERSION, params_path: Path = PROC_PARAMS) -> dict[str, Any]:
+    """Both /proc files; {'loaded': False, 'reason': ...} when the kernel module is not loaded."""
+    try:
+        version_text = version_path.read_text()
+    except OSError as err:
+        return {"loaded": False, "reason": f"{version_path}: {err.strerror or err} (driver not loaded)"}
+    info: dict[str, Any] = {"loaded": True, **parse_proc_version(version_text)}
+    try:
+        info["params"] = parse_proc_params(params_path.read_text())
+    except OSError as err:
+        info["params"] = None
+        info["params_reason"] = f"{params_path}: {err.strerror or err}"
+    return info
+
+
+def minimum_driver_for_cuda(cuda_version: str) -> str:
+    """Smallest Linux driver that fully supports a CUDA X.Y build ('12.8' -> '570.26').
+
+    A version newer than the table raises ValueError: guessing would make DRV-002 pass wrongly.
+    """
+    parts = version_tuple(cuda_version)
+    key = (parts[0], parts[1] if len(parts) > 1 else 0)
+    if key in CUDA_TOOLKIT_DRIVER:
+        return CUDA_TOOLKIT_DRIVER[key]
+    if min(CUDA_TOOLKIT_DRIVER) < key < max(CUDA_TOOLKIT_DRIVER):
+        # A gap in the table (there was no CUDA 12.7): the next release's floor is the safe answer.
+        return CUDA_TOOLKIT_DRIVER[min(k for k in CUDA_TOOLKIT_DRIVER if k > key)]
+    raise ValueError(f"CUDA {cuda_version} is not in the driver table (known: 12.0 .. 13.0)")
+
+
+def cuda_driver_version_text(value: int) -> str:
+    """nvmlSystemGetCudaDriverVersion's integer (13000) -> '13.0'."""
+    return f"{value // 1000}.{(value % 1000) // 10}"
+
+
+def _text(value: Any) -> Any:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _nvml_call(pynvml: Any, fn_name: str, *args: Any) -> Any:
+    """One NVML call; 'unsupported' or 'error: ...' instead of an exception, so one gap never hides the rest."""
+    fn = getattr(pynvml, fn_name, None)
+    if fn is None:
+        return UNSUPPORTED
+    try:
+        return _text(fn(*args))
+    except pynvml.NVMLError as err:
+        if getattr(err, "value", None) == getattr(pynvml, "NVML_ERROR_NOT_SUPPORTED", object()):
+            return UNSUPPORTED
+        return f"error: {err}"
+
+
+def _gpu_facts(pynvml: Any, index: int, handle: Any) -> dict[str, Any]:
+    memory = _nvml_call(pynvml, "nvmlDeviceGetMemoryInfo", handle)
+    gsp = _nvml_call(pynvml, "nvmlDeviceGetGspFirmwareMode", handle)
+    return {
+        "index": index,
+        "name": _nvml_call(pynvml, "nvmlDeviceGetName", handle),
+        "uuid": _nvml_call(pynvml, "nvmlDeviceGetUUID", handle),
+        "pci_bus_id": _text(getattr(_nvml_call(pynvml, "nvmlDeviceGetPciInfo", handle), "busId", UNSUPPORTED)),
+        "persistence_mode": _nvml_call(pynvml, "nvmlDeviceGetPersistenceMode", handle),
+        "pcie_gen_current": _nvml_call(pynvml, "nvmlDeviceGetCurrPcieLinkGeneration", handle),
+        "pcie_gen_max": _nvml_call(pynvml, "nvmlDeviceGetMaxPcieLinkGeneration", handle),
+        "pcie_width_current": _nvml_call(pynvml, "nvmlDeviceGetCurrPcieLinkWidth", handle),
+        "pcie_width_max": _nvml_call(pynvml, "nvmlDeviceGetMaxPcieLinkWidth", handle),
+        "memory_total_bytes": memory.total if hasattr(memory, "total") else memory,
+        # (enabled, default) pair as NVML returns it, e.g. [1, 1].
+        "gsp_firmware_mode": list(gsp) if isinstance(gsp, tuple) else gsp,
+        "gsp_firmware_version": _nvml_call(pynvml, "nvmlDeviceGetGspFirmwareVersion", handle),
+    }
+
+
+def _p2p_pairs(pynvml: Any, handles: list[Any]) -> list[dict[str, Any]]:
+    pairs = []
+    for a in range(len(handles)):
+        for b in range(a + 1, len(handles)):
+            # Caps index 0 (READ) as a literal: pynvml's NVML_P2P_CAPS_INDEX_READ is a tuple in some versions.
+            code = _nvml_call(pynvml, "nvmlDeviceGetP2PStatus", handles[a], handles[b], 0)
+            status = P2P_STATUS_NAMES.get(code, f"code {code}") if isinstance(code, int) else code
+            pairs.append({"a": a, "b": b, "status": status, "code": code if isinstance(code, int) else None})
+    return pairs
+
+
+def nvml_snapshot() -> dict[str, Any]:
+    """Driver, CUDA driver API version, per-GPU facts and P2P status per pair, read through NVML."""
+    try:
+        import pynvml  # optional: nvidia-ml-py
+    except ImportError as err:
+        return {"available": False, "reason": f"pynvml not importable ({err}); install nvidia-ml-py"}
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as err:
+        return {"available": False, "reason": f"nvmlInit failed: {err}"}
+    try:
+        cuda = _nvml_call(pynvml, "nvmlSystemGetCudaDriverVersion")
+        count = _nvml_call(pynvml, "nvmlDeviceGetCount")
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count if isinstance(count, int) else 0)]
+        return {
+            "available": True,
+            "driver_version": _nvml_call(pynvml, "nvmlSystemGetDriverVersion"),
+            "nvml_version": _nvml_call(pynvml, "nvmlSystemGetNVMLVersion"),
+            "cuda_driver_version_raw": cuda,
+            "cuda_driver_version": cuda_driver_version_text(cuda) if isinstance(cuda, int) else cuda,
+            "gpu_count": len(handles),
+            "gpus": [_gpu_facts(pynvml, i, h) for i, h in enumerate(handles)],
+            "p2p": _p2p_pairs(pynvml, handles),
+        }
+    except pynvml.NVMLError as err:
+        return {"available": False, "reason": f"NVML: {err}"}
+    finally:
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
+
+
+def p2p_supported_all_pairs(snapshot: dict[str, Any]) -> bool | None:
+    """True when every GPU pair reports P2P 'ok', False when any does not, None with fewer than 2 GPUs."""
+    if not snapshot.get("available") or len(snapshot.get("gpus", [])) < 2:
+        return None
+    return all(pair["status"] == "ok" for pair in snapshot.get("p2p", []))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m service.nvidia", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print the NVML snapshot and /proc facts as JSON")
+    args = parser.parse_args(argv)
+    snapshot = nvml_snapshot()
+    snapshot["p2p_supported_all_pairs"] = p2p_supported_all_pairs(snapshot)
+    snapshot["proc"] = read_proc_driver()
+    if args.json:
+        print(json.dumps(snapshot, indent=2, sort_keys=True))
+    else:
+        for key, value in sorted(snapshot.items()):
+            print(f"{key}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
