@@ -826,7 +826,12 @@ def _report_error(message: str, as_json: bool) -> int:
 
 
 if __name__ == "__main__":
-    exit_code = main()
+    try:
+        exit_code = main()
+    except SystemExit as exc:  # usage errors, --help, SIGTERM (temp files are already removed)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+        exit_code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: with torch loaded it takes ~0.5-0.8 s, and by now every file is
