@@ -1,0 +1,657 @@
+"""The live-state checks behind ``invoke verify`` (runs on the host, stdlib only; pynvml optional).
+
+Each check reads what a role promised from ``verify.d/<role>.json`` and compares it with live state
+(/proc, /sys, systemd, NVML, the HTTP API). IDs are stable; docs/design.md lists them with their keys.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from service import nvidia
+
+STATUSES = ("pass", "fail", "skip", "error")
+DEFAULT_UNIT = "gptoss-vllm.service"
+UNIT_PROPERTIES = ("MainPID", "ActiveState", "SubState", "UnitFileState", "NRestarts", "LoadState")
+# Options the kernel reports under another spelling than fstab uses.
+OPTION_ALIASES = {"nobarrier": {"nobarrier", "barrier=0"}}
+# NV_REG_UNSET: the driver shows ~0 for a DWORD parameter nobody set (it then applies its default).
+NVREG_UNSET = 4294967295
+# EnableGpuFirmware packs a mode (low nibble: 0 off, 1 on, 2 default) and a policy (0x10 allow fallback).
+GPU_FIRMWARE_MODE_MASK = 0x0F
+
+
+class ConfigError(Exception):
+    """verify.d or a waiver file is unusable: the run cannot say anything true (exit 2)."""
+
+
+@dataclass
+class CheckResult:
+    id: str
+    title: str
+    status: str
+    expected: str = ""
+    found: str = ""
+    reason: str = ""
+
+    def to_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+def load_roles(config_dir: Path) -> dict[str, dict[str, Any]]:
+    """Every verify.d/<role>.json as {role: object}; ConfigError when the folder or a file is unusable."""
+    if not config_dir.is_dir():
+        raise ConfigError(f"{config_dir}: not a directory (no role has written its expectations)")
+    roles: dict[str, dict[str, Any]] = {}
+    for path in sorted(config_dir.glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ConfigError(f"{path}: {err}") from err
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
+        roles[path.stem] = data
+    return roles
+
+
+class Context:
+    """What the checks share: the role files, options, and live facts read once (lazily)."""
+
+    def __init__(self, roles: dict[str, dict[str, Any]], *, no_completion: bool = False, timeout: float = 2.0,
+                 main_pid: int | None = None, cpu_root: Path = Path("/sys/devices/system/cpu"),
+                 mountinfo: Path = Path("/proc/self/mountinfo"), cmdline: Path = Path("/proc/cmdline")):
+        self.roles = roles
+        self.no_completion = no_completion
+        self.timeout = timeout
+        self._main_pid = main_pid  # tests pass a real child's pid; production asks systemd
+        self.cpu_root = cpu_root
+        self.mountinfo = mountinfo
+        self.cmdline = cmdline
+
+    def role(self, name: str) -> dict[str, Any]:
+        return self.roles[name]
+
+    @property
+    def unit(self) -> str:
+        return str(self.roles.get("vllm_service", {}).get("unit") or DEFAULT_UNIT)
+
+    @cached_property
+    def nvml(self) -> dict[str, Any]:
+        return nvidia.nvml_snapshot()
+
+    @cached_property
+    def proc_driver(self) -> dict[str, Any]:
+        return nvidia.read_proc_driver()
+
+    @cached_property
+    def unit_props(self) -> dict[str, str]:
+        """One `systemctl show` for every property the SVC/ENV checks need; raises RuntimeError."""
+        return systemctl_show(self.unit, UNIT_PROPERTIES)
+
+    def main_pid(self) -> int:
+        if self._main_pid is not None:
+            return self._main_pid
+        pid = int(self.unit_props.get("MainPID") or 0)
+        if pid <= 0:
+            raise LookupError(f"{self.unit} has no main process (MainPID=0: not running)")
+        return pid
+
+
+def systemctl_show(unit: str, properties: tuple[str, ...]) -> dict[str, str]:
+    exe = shutil.which("systemctl")
+    if exe is None:
+        raise RuntimeError("systemctl not found: this host is not managed by systemd")
+    argv = [exe, "show", *[f"-p{name}" for name in properties], unit]
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=5, check=False)
+    except subprocess.TimeoutExpired as err:
+        raise RuntimeError("systemctl show timed out after 5 s") from err
+    if proc.returncode != 0:
+        message = (proc.stderr or proc.stdout).strip().splitlines()
+        raise RuntimeError(f"systemctl show {unit} failed (exit {proc.returncode}): "
+                           f"{message[0] if message else 'no output'}")
+    props = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+    if not props:
+        raise RuntimeError(f"systemctl show {unit} printed no properties")
+    return props
+
+
+# ------------------------------------------------------------------ parsers of live files
+
+
+def unescape_mountinfo(field: str) -> str:
+    """proc(5) escapes space, tab, newline and backslash as \\ooo octal."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def parse_mountinfo(text: str) -> list[dict[str, Any]]:
+    """/proc/PID/mountinfo lines -> mount_point, root, fstype, source, mount options, super options."""
+    mounts = []
+    for line in text.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if not sep or len(fields) < 6 or len(tail) < 2:
+            continue
+        mounts.append({
+            "mount_id": int(fields[0]),
+            "root": unescape_mountinfo(fields[3]),
+            "mount_point": unescape_mountinfo(fields[4]),
+            "mount_options": fields[5].split(","),
+            "fstype": tail[0],
+            "source": unescape_mountinfo(tail[1]),
+            "super_options": tail[2].split(",") if len(tail) > 2 else [],
+        })
+    return mounts
+
+
+def parse_cmdline_flags(text: str) -> dict[str, str]:
+    """/proc/cmdline 'key=value' words -> {key: value}; a later word wins, as the kernel applies them."""
+    flags: dict[str, str] = {}
+    for word in text.split():
+        key, _, value = word.partition("=")
+        flags[key] = value
+    return flags
+
+
+def process_tree(root_pid: int, proc: Path = Path("/proc")) -> list[int]:
+    """root_pid and all its descendants, from the ppid field of each /proc/PID/stat."""
+    children: dict[int, list[int]] = {}
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue  # the process ended while we walked
+        # comm may hold spaces and parentheses: the fields after the last ')' are fixed.
+        ppid = int(text[text.rindex(")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    tree, todo = [], [root_pid]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return sorted(tree)
+
+
+def read_environ(pid: int, proc: Path = Path("/proc")) -> dict[str, str]:
+    raw = (proc / str(pid) / "environ").read_bytes()
+    env = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            env[key.decode(errors="replace")] = value.decode(errors="replace")
+    return env
+
+
+def read_api_key(path: str) -> str:
+    """VLLM_API_KEY= from an env file (quotes stripped). The caller never prints it."""
+    for line in Path(path).read_text().splitlines():
+        key, sep, value = line.strip().partition("=")
+        if sep and key.strip().removeprefix("export ").strip() == "VLLM_API_KEY":
+            return value.strip().strip("'\"")
+    raise LookupError(f"{path} has no VLLM_API_KEY= line")
+
+
+def _num(value: Any) -> int | None:
+    try:
+        return int(str(value), 0)
+    except ValueError:
+        return None
+
+
+# ------------------------------------------------------------------ NVIDIA driver and GPUs
+
+
+def _no_gpu(ctx: Context, cid: str, title: str, reason: str, expected: str = "") -> CheckResult:
+    """No driver or NVML: skip, unless the role said a GPU is required."""
+    status = "fail" if ctx.role("nvidia_driver").get("require_gpu", False) else "skip"
+    return CheckResult(cid, title, status, expected, "", reason + ("" if status == "skip" else " (require_gpu)"))
+
+
+def _driver_version(ctx: Context) -> tuple[str | None, str]:
+    if ctx.proc_driver.get("loaded"):
+        return ctx.proc_driver["driver_version"], f"{ctx.proc_driver['kernel_module']} kernel module"
+    if ctx.nvml.get("available"):
+        return str(ctx.nvml["driver_version"]), "from NVML"
+    return None, ctx.proc_driver.get("reason", "no driver")
+
+
+def check_driver_floor(ctx: Context) -> CheckResult:
+    cid, title = "DRV-001", "NVIDIA driver >= project floor"
+    floor = str(ctx.role("nvidia_driver").get("min_driver") or nvidia.PROJECT_DRIVER_FLOOR)
+    version, note = _driver_version(ctx)
+    if version is None:
+        return _no_gpu(ctx, cid, title, note, f">= {floor}")
+    ok = nvidia.version_tuple(version) >= nvidia.version_tuple(floor)
+    return CheckResult(cid, title, "pass" if ok else "fail", f">= {floor}", version,
+                       note if ok else f"driver {version} is older than the floor {floor}")
+
+
+def check_driver_for_cuda(ctx: Context) -> CheckResult:
+    cid, title = "DRV-002", "Driver supports the CUDA build"
+    cuda = ctx.role("nvidia_driver").get("cuda_version")
+    if not cuda:
+        return CheckResult(cid, title, "skip", "", "", "nvidia_driver.json has no cuda_version")
+    try:
+        needed = nvidia.minimum_driver_for_cuda(str(cuda))
+    except ValueError as err:
+        return CheckResult(cid, title, "error", f"CUDA {cuda}", "", str(err))
+    expected = f"driver >= {needed}, NVML CUDA >= {cuda}"
+    version, note = _driver_version(ctx)
+    if version is None:
+        return _no_gpu(ctx, cid, title, note, expected)
+    problems = []
+    if nvidia.version_tuple(version) < nvidia.version_tuple(needed):
+        problems.append(f"CUDA {cuda} needs driver >= {needed}, found {version}")
+    nvml_cuda = ctx.nvml.get("cuda_driver_version") if ctx.nvml.get("available") else None
+    if isinstance(nvml_cuda, str) and nvml_cuda[:1].isdigit():
+        if nvidia.version_tuple(nvml_cuda) < nvidia.version_tuple(str(cuda)):
+            problems.append(f"the driver's CUDA API is {nvml_cuda}, older than the build's {cuda}")
+        cuda_note = f"NVML CUDA {nvml_cuda}"
+    else:
+        cuda_note = f"NVML CUDA version not read ({ctx.nvml.get('reason') or nvml_cuda})"
+    found = f"driver {version}, {cuda_note}"
+    return CheckResult(cid, title, "fail" if problems else "pass", expected, found, "; ".join(problems))
+
+
+def _gpus_or_result(ctx: Context, cid: str, title: str, expected: str = "") -> list[dict] | CheckResult:
+    if not ctx.nvml.get("available"):
+        return _no_gpu(ctx, cid, title, f"NVML unavailable: {ctx.nvml.get('reason')}", expected)
+    return ctx.nvml["gpus"]
+
+
+def check_gpu_inventory(ctx: Context) -> CheckResult:
+    cid, title = "GPU-001", "GPU count and model"
+    role = ctx.role("nvidia_driver")
+    want_count, want_name = role.get("gpu_count"), role.get("gpu_name_contains")
+    expected = ", ".join(p for p in (f"{want_count} GPUs" if want_count is not None else ">= 1 GPU",
+                                     f"name contains {want_name!r}" if want_name else "") if p)
+    gpus = _gpus_or_result(ctx, cid, title, expected)
+    if isinstance(gpus, CheckResult):
+        return gpus
+    names = [str(g["name"]) for g in gpus]
+    found = f"{len(gpus)}: " + ", ".join(names) if gpus else "0 GPUs"
+    problems = []
+    if want_count is not None and len(gpus) != int(want_count):
+        problems.append(f"expected {want_count} GPUs, NVML sees {len(gpus)}")
+    if want_count is None and not gpus:
+        problems.append("NVML sees no GPU")
+    if want_name:
+        problems += [f"GPU {g['index']} is {g['name']!r}" for g in gpus if str(want_name) not in str(g["name"])]
+    return CheckResult(cid, title, "fail" if problems else "pass", expected, found, "; ".join(problems))
+
+
+def check_persistence(ctx: Context) -> CheckResult:
+    cid, title = "GPU-002", "Persistence mode on"
+    gpus = _gpus_or_result(ctx, cid, title, "enabled on every GPU")
+    if isinstance(gpus, CheckResult):
+        return gpus
+    off = [f"GPU {g['index']}: {g['persistence_mode']}" for g in gpus if g["persistence_mode"] != 1]
+    found = ", ".join(f"GPU {g['index']}={'on' if g['persistence_mode'] == 1 else g['persistence_mode']}"
+                      for g in gpus)
+    return CheckResult(cid, title, "fail" if off else "pass", "enabled on every GPU", found,
+                       ("not enabled: " + ", ".join(off)) if off else "")
+
+
+def check_pcie_link(ctx: Context) -> CheckResult:
+    """Rule: width must equal max width; a lower current gen with full width passes with a note,
+    because idle GPUs drop the link to gen1 to save power and retrain under load."""
+    cid, title = "GPU-003", "PCIe link at max gen/width"
+    gpus = _gpus_or_result(ctx, cid, title, "current == max")
+    if isinstance(gpus, CheckResult):
+        return gpus
+    found, problems, notes = [], [], []
+    for g in gpus:
+        gen, gen_max = g["pcie_gen_current"], g["pcie_gen_max"]
+        width, width_max = g["pcie_width_current"], g["pcie_width_max"]
+        found.append(f"GPU {g['index']}: gen{gen}/{gen_max} x{width}/{width_max}")
+        if not all(isinstance(v, int) for v in (gen, gen_max, width, width_max)):
+            problems.append(f"GPU {g['index']}: link not readable through NVML")
+        elif width < width_max:
+            problems.append(f"GPU {g['index']}: width x{width} below max x{width_max}")
+        elif gen < gen_max:
+            notes.append(f"GPU {g['index']}: gen{gen} < gen{gen_max} at full width (idle downtraining)")
+    status = "fail" if problems else "pass"
+    return CheckResult(cid, title, status, "width == max; gen == max (lower gen at idle noted)",
+                       "; ".join(found), "; ".join(problems or notes))
+
+
+def check_p2p(ctx: Context) -> CheckResult:
+    cid, title = "GPU-004", "P2P status between GPU pairs"
+    expected = str(ctx.role("nvidia_driver").get("p2p_expected", "any"))
+    if expected not in ("supported", "unsupported", "any"):
+        return CheckResult(cid, title, "error", expected, "", "p2p_expected must be supported/unsupported/any")
+    gpus = _gpus_or_result(ctx, cid, title, expected)
+    if isinstance(gpus, CheckResult):
+        return gpus
+    if len(gpus) < 2:
+        return CheckResult(cid, title, "skip", expected, f"{len(gpus)} GPU", "P2P needs at least 2 GPUs")
+    pairs = ctx.nvml["p2p"]
+    found = ", ".join(f"{p['a']}<->{p['b']}: {p['status']}" for p in pairs)
+    if expected == "any":
+        return CheckResult(cid, title, "pass", expected, found, "reported only (p2p_expected: any)")
+    want_ok = expected == "supported"
+    wrong = [f"{p['a']}<->{p['b']} is {p['status']}" for p in pairs if (p["status"] == "ok") != want_ok]
+    return CheckResult(cid, title, "fail" if wrong else "pass", expected, found, "; ".join(wrong))
+
+
+# ------------------------------------------------------------------ kernel command line
+
+
+def _expected_flags(ctx: Context) -> list[tuple[str, str]]:
+    flags = []
+    for flag in ctx.role("kernel_cmdline").get("flags", []):
+        key, _, value = str(flag).partition("=")
+        flags.append((key, value))
+    return flags
+
+
+def check_cmdline_flags(ctx: Context) -> CheckResult:
+    cid, title = "KRN-001", "nvidia.NVreg_* flags on /proc/cmdline"
+    want = _expected_flags(ctx)
+    expected = " ".join(f"{k}={v}" for k, v in want)
+    if not want:
+        return CheckResult(cid, title, "skip", "", "", "kernel_cmdline.json lists no flags")
+    live = parse_cmdline_flags(ctx.cmdline.read_text())
+    found = " ".join(f"{k}={live[k]}" if k in live else f"{k} absent" for k, _ in want)
+    wrong = [f"{k}: {'absent' if k not in live else repr(live[k])} (want {v!r})" for k, v in want
+             if live.get(k) != v]
+    reason = "; ".join(wrong) + (" (reboot pending?)" if wrong else "")
+    return CheckResult(cid, title, "fail" if wrong else "pass", expected, found, reason)
+
+
+def compare_driver_param(name: str, want: str, live: str) -> str | None:
+    """None when the driver's value means what the flag asked for, else why not."""
+    live_n, want_n = _num(live), _num(want)
+    if live_n is None or want_n is None:
+        return None if live == want else f"{live!r} != {want!r}"
+    if live_n == NVREG_UNSET:
+        return f"{live} = unset (driver default), flag not applied"
+    if name == "EnableGpuFirmware":
+        mode = live_n & GPU_FIRMWARE_MODE_MASK
+        labels = {0: "disabled", 1: "enabled", 2: "default policy"}
+        return None if mode == want_n else f"{live} = mode {mode} ({labels.get(mode, '?')}), want mode {want_n}"
+    return None if live_n == want_n else f"{live} != {want}"
+
+
+def check_driver_params(ctx: Context) -> CheckResult:
+    cid, title = "KRN-002", "Flags in effect in /proc/driver/nvidia/params"
+    want = [(k.removeprefix("nvidia.").removeprefix("NVreg_"), v) for k, v in _expected_flags(ctx)
+            if k.startswith("nvidia.NVreg_")]
+    expected = " ".join(f"{k}={v}" for k, v in want)
+    if not want:
+        return CheckResult(cid, title, "skip", "", "", "no nvidia.NVreg_* flags expected")
+    if not ctx.proc_driver.get("loaded"):
+        return CheckResult(cid, title, "skip", expected, "", ctx.proc_driver.get("reason", "no driver"))
+    params = ctx.proc_driver.get("params")
+    if params is None:
+        return CheckResult(cid, title, "error", expected, "", ctx.proc_driver.get("params_reason", ""))
+    found = " ".join(f"{k}: {params.get(k, 'absent')}" for k, _ in want)
+    wrong = []
+    for name, value in want:
+        if name not in params:
+            wrong.append(f"{name}: not in params")
+        elif (why := compare_driver_param(name, value, params[name])) is not None:
+            wrong.append(f"{name}: {why}")
+    return CheckResult(cid, title, "fail" if wrong else "pass", expected, found, "; ".join(wrong))
+
+
+# ------------------------------------------------------------------ mounts, CPU
+
+
+def check_model_mount(ctx: Context) -> CheckResult:
+    cid, title = "MNT-001", "Model mount, fstype and options"
+    role = ctx.role("model_mount")
+    point, fstype = str(role.get("mount_point", "")), role.get("fstype")
+    options = [str(o) for o in role.get("options", [])]
+    expected = f"{point} {fstype or '?'} " + ",".join(options)
+    mounts = [m for m in parse_mountinfo(ctx.mountinfo.read_text()) if m["mount_point"] == point.rstrip("/") or
+              m["mount_point"] == point]
+    if not mounts:
+        return CheckResult(cid, title, "fail", expected, "not mounted", f"no mount at {point} in mountinfo")
+    mount = mounts[-1]  # the last one listed is the one on top, the one paths resolve to
+    have = set(mount["mount_options"]) | set(mount["super_options"])
+    found = (f"{mount['source']} {mount['fstype']} {','.join(mount['mount_options'])}"
+             f" | {','.join(mount['super_options'])}")
+    problems = []
+    if fstype and mount["fstype"] != fstype:
+        problems.append(f"fstype {mount['fstype']} != {fstype}")
+    problems += [f"option {o} missing" for o in options if not OPTION_ALIASES.get(o, {o}) & have]
+    return CheckResult(cid, title, "fail" if problems else "pass", expected, found, "; ".join(problems))
+
+
+def check_cpu_governor(ctx: Context) -> CheckResult:
+    cid, title = "CPU-001", "CPU frequency governor"
+    want = str(ctx.role("cpu_governor").get("governor", "performance"))
+    files = sorted(ctx.cpu_root.glob("cpu[0-9]*/cpufreq/scaling_governor"), key=lambda p: int(p.parent.parent.name[3:]))
+    if not files:
+        return CheckResult(cid, title, "skip", want, "no cpufreq",
+                           "cpufreq not supported on this machine (VM/container)")
+    live = {f.parent.parent.name: f.read_text().strip() for f in files}
+    wrong = [f"{cpu}={gov}" for cpu, gov in live.items() if gov != want]
+    found = f"{len(live) - len(wrong)}/{len(live)} CPUs {want}"
+    reason = ("other governor: " + ", ".join(wrong[:8]) + (" ..." if len(wrong) > 8 else "")) if wrong else ""
+    return CheckResult(cid, title, "fail" if wrong else "pass", f"{want} on every CPU", found, reason)
+
+
+# ------------------------------------------------------------------ service and environment
+
+
+def check_nccl_env(ctx: Context) -> CheckResult:
+    cid, title = "ENV-001", "NCCL variables in the running vLLM processes"
+    variables = {str(k): str(v) for k, v in ctx.role("nccl_env").get("variables", {}).items()}
+    expected = " ".join(f"{k}={v}" for k, v in variables.items())
+    try:
+        pids = process_tree(ctx.main_pid())
+    except (RuntimeError, LookupError) as err:
+        return CheckResult(cid, title, "error" if isinstance(err, RuntimeError) else "fail", expected, "", str(err))
+    problems = []
+    for pid in pids:
+        try:
+            env = read_environ(pid)
+        except OSError:
+            continue  # a worker that exited between the walk and the read
+        for name, value in variables.items():
+            if name not in env:
+                problems.append(f"PID {pid}: {name} missing")
+            elif env[name] != value:
+                problems.append(f"PID {pid}: {name}={env[name]!r} (want {value!r})")
+    found = f"{len(pids)} process(es): " + ",".join(map(str, pids))
+    return CheckResult(cid, title, "fail" if problems else "pass", expected, found, "; ".join(problems[:6]))
+
+
+def check_unit_state(ctx: Context) -> CheckResult:
+    cid, title = "SVC-001", "vLLM unit active and enabled"
+    expected = f"{ctx.unit} active, enabled"
+    try:
+        props = ctx.unit_props
+    except RuntimeError as err:
+        return CheckResult(cid, title, "error", expected, "", str(err))
+    found = f"{props.get('ActiveState')} ({props.get('SubState')}), {props.get('UnitFileState') or 'no unit file'}"
+    problems = []
+    if props.get("LoadState") == "not-found":
+        problems.append(f"{ctx.unit} is not installed")
+    if props.get("ActiveState") != "active":
+        problems.append(f"not active: {props.get('ActiveState')}")
+    if props.get("UnitFileState") != "enabled":
+        problems.append(f"not enabled: {props.get('UnitFileState') or 'unknown'}")
+    return CheckResult(cid, title, "fail" if problems else "pass", expected, found, "; ".join(problems))
+
+
+def check_restarts(ctx: Context) -> CheckResult:
+    cid, title = "SVC-002", "vLLM unit restart count"
+    limit = int(ctx.role("vllm_service").get("max_restarts", 3))
+    try:
+        count = ctx.unit_props.get("NRestarts", "")
+    except RuntimeError as err:
+        return CheckResult(cid, title, "error", f"<= {limit}", "", str(err))
+    if not count.isdigit():
+        return CheckResult(cid, title, "error", f"<= {limit}", count, "systemd did not report NRestarts")
+    ok = int(count) <= limit
+    return CheckResult(cid, title, "pass" if ok else "fail", f"<= {limit}", count,
+                       "" if ok else f"restarted {count} times (crash loop?)")
+
+
+def check_cmdline_matches(ctx: Context) -> CheckResult:
+    cid, title = "SVC-003", "Running command line equals vllm-args"
+    want = [str(a) for a in ctx.role("vllm_service").get("argv", [])]
+    expected = f"{len(want)} args"
+    try:
+        pid = ctx.main_pid()
+        live = (Path("/proc") / str(pid) / "cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+    except (RuntimeError, LookupError, OSError) as err:
+        return CheckResult(cid, title, "error" if isinstance(err, RuntimeError) else "fail", expected, "", str(err))
+    args = [a.decode(errors="replace") for a in live]
+    found = f"PID {pid}, {len(args)} args"
+    for i, (w, a) in enumerate(zip(want, args, strict=False)):
+        if w != a:
+            return CheckResult(cid, title, "fail", expected, found, f"arg {i}: running {a!r}, expected {w!r}")
+    if len(want) != len(args):
+        extra = args[len(want)] if len(args) > len(want) else want[len(args)]
+        return CheckResult(cid, title, "fail", expected, found,
+                           f"arg {min(len(want), len(args))}: {'extra' if len(args) > len(want) else 'missing'} "
+                           f"{extra!r}")
+    return CheckResult(cid, title, "pass", expected, found, "")
+
+
+# ------------------------------------------------------------------ HTTP API
+
+
+def _http(ctx: Context, path: str, body: dict | None = None, auth: bool = True) -> tuple[int, bytes]:
+    role = ctx.role("vllm_service")
+    url = str(role.get("base_url", "http://127.0.0.1:8000")).rstrip("/") + path
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    if auth and role.get("api_key_file"):
+        headers["Authorization"] = f"Bearer {read_api_key(str(role['api_key_file']))}"
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers=headers, method="POST" if body is not None else "GET")
+    try:
+        with urllib.request.urlopen(request, timeout=ctx.timeout) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def _api_result(ctx: Context, cid: str, title: str, expected: str,
+                probe: Callable[[], CheckResult]) -> CheckResult:
+    try:
+        return probe()
+    except (urllib.error.URLError, OSError, TimeoutError) as err:
+        reason = getattr(err, "reason", err)
+        return CheckResult(cid, title, "fail", expected, "no response", f"{reason}")
+    except LookupError as err:
+        return CheckResult(cid, title, "error", expected, "", str(err))
+
+
+def check_health(ctx: Context) -> CheckResult:
+    cid, title = "API-001", "GET /health"
+
+    def probe() -> CheckResult:
+        status, _ = _http(ctx, "/health", auth=False)
+        return CheckResult(cid, title, "pass" if status == 200 else "fail", "HTTP 200", f"HTTP {status}", "")
+    return _api_result(ctx, cid, title, "HTTP 200", probe)
+
+
+def check_models(ctx: Context) -> CheckResult:
+    cid, title = "API-002", "GET /v1/models lists the served model"
+    name = str(ctx.role("vllm_service").get("served_model_name", ""))
+
+    def probe() -> CheckResult:
+        status, body = _http(ctx, "/v1/models")
+        if status != 200:
+            return CheckResult(cid, title, "fail", name, f"HTTP {status}",
+                               "unauthorized: API key rejected" if status == 401 else "")
+        ids = [str(m.get("id")) for m in json.loads(body).get("data", [])]
+        ok = name in ids
+        return CheckResult(cid, title, "pass" if ok else "fail", name, ", ".join(ids),
+                           "" if ok else f"{name!r} not served")
+    return _api_result(ctx, cid, title, name, probe)
+
+
+def check_completion(ctx: Context) -> CheckResult:
+    cid, title = "API-003", "One real completion"
+    if ctx.no_completion:
+        return CheckResult(cid, title, "skip", ">= 1 token", "", "--no-completion")
+    name = str(ctx.role("vllm_service").get("served_model_name", ""))
+
+    def probe() -> CheckResult:
+        start = time.monotonic()
+        status, body = _http(ctx, "/v1/completions", {"model": name, "prompt": "Hello", "max_tokens": 8})
+        ms = (time.monotonic() - start) * 1000
+        if status != 200:
+            return CheckResult(cid, title, "fail", ">= 1 token", f"HTTP {status}", body[:200].decode(errors="replace"))
+        reply = json.loads(body)
+        tokens = int(reply.get("usage", {}).get("completion_tokens") or 0)
+        ok = tokens >= 1
+        return CheckResult(cid, title, "pass" if ok else "fail", ">= 1 token", f"{tokens} tokens in {ms:.0f} ms",
+                           "" if ok else "the server answered with no tokens")
+    return _api_result(ctx, cid, title, ">= 1 token", probe)
+
+
+# ------------------------------------------------------------------ model weights
+
+
+def check_model_weights(ctx: Context) -> CheckResult:
+    cid, title = "MDL-001", "Weights are sound safetensors"
+    from service.safetensors_check import check_safetensors_dir  # another module; only this check needs it
+
+    model_dir = Path(str(ctx.role("model_weights").get("model_dir", "")))
+    problems = check_safetensors_dir(model_dir)
+    if model_dir.is_dir() and not list(model_dir.glob("*.safetensors")):
+        problems += [f"{p.name}: pickle weights without safetensors" for p in sorted(model_dir.glob("*.bin"))
+                     + sorted(model_dir.glob("*.pt"))]
+    count = len(list(model_dir.glob("*.safetensors"))) if model_dir.is_dir() else 0
+    return CheckResult(cid, title, "fail" if problems else "pass", f"{model_dir}: safetensors, headers valid",
+                       f"{count} .safetensors files", "; ".join(problems[:5]))
+
+
+# ------------------------------------------------------------------ registry
+
+# (id, title, role file that must exist, check). Order is the report order.
+CHECKS: list[tuple[str, str, str, Callable[[Context], CheckResult]]] = [
+    ("DRV-001", "NVIDIA driver >= project floor", "nvidia_driver", check_driver_floor),
+    ("DRV-002", "Driver supports the CUDA build", "nvidia_driver", check_driver_for_cuda),
+    ("GPU-001", "GPU count and model", "nvidia_driver", check_gpu_inventory),
+    ("GPU-002", "Persistence mode on", "nvidia_driver", check_persistence),
+    ("GPU-003", "PCIe link at max gen/width", "nvidia_driver", check_pcie_link),
+    ("GPU-004", "P2P status between GPU pairs", "nvidia_driver", check_p2p),
+    ("KRN-001", "nvidia.NVreg_* flags on /proc/cmdline", "kernel_cmdline", check_cmdline_flags),
+    ("KRN-002", "Flags in effect in /proc/driver/nvidia/params", "kernel_cmdline", check_driver_params),
+    ("MNT-001", "Model mount, fstype and options", "model_mount", check_model_mount),
+    ("CPU-001", "CPU frequency governor", "cpu_governor", check_cpu_governor),
+    ("ENV-001", "NCCL variables in the running vLLM processes", "nccl_env", check_nccl_env),
+    ("SVC-001", "vLLM unit active and enabled", "vllm_service", check_unit_state),
+    ("SVC-002", "vLLM unit restart count", "vllm_service", check_restarts),
+    ("SVC-003", "Running command line equals vllm-args", "vllm_service", check_cmdline_matches),
+    ("API-001", "GET /health", "vllm_service", check_health),
+    ("API-002", "GET /v1/models lists the served model", "vllm_service", check_models),
+    ("API-003", "One real completion", "vllm_service", check_completion),
+    ("MDL-001", "Weights are sound safetensors", "model_weights", check_model_weights),
+]
+CHECK_IDS = [cid for cid, _, _, _ in CHECKS]
+
+
+def run_checks(ctx: Context, only: set[str] | None = None) -> list[CheckResult]:
+    """Every check (or those in `only`); a missing role file is skip, an unexpected exception is error."""
+    results = []
+    for cid, title, role, check in CHECKS:
+        if only and cid not in only:
+            continue
+        if role not in ctx.roles:
+            results.append(CheckResult(cid, title, "skip", "", "", f"role not applied (verify.d/{role}.json absent)"))
+            continue
+        try:
+            results.append(check(ctx))
+        except Exception as err:  # one broken check must not hide the others
+            results.append(CheckResult(cid, title, "error", "", "", f"{type(err).__name__}: {err}"))
+    return results
