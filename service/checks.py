@@ -78,6 +78,7 @@ class Context:
         self.cpu_root = cpu_root
         self.mountinfo = mountinfo
         self.cmdline = cmdline
+        self._unit_props: dict[str, str] | RuntimeError | None = None
 
     def role(self, name: str) -> dict[str, Any]:
         return self.roles[name]
@@ -94,10 +95,19 @@ class Context:
     def proc_driver(self) -> dict[str, Any]:
         return nvidia.read_proc_driver()
 
-    @cached_property
+    @property
     def unit_props(self) -> dict[str, str]:
-        """One `systemctl show` for every property the SVC/ENV checks need; raises RuntimeError."""
-        return systemctl_show(self.unit, UNIT_PROPERTIES)
+        """One `systemctl show` for every property the SVC/ENV checks need; raises RuntimeError.
+
+        The answer, or the error, is kept: four checks ask, systemd is asked once."""
+        if self._unit_props is None:
+            try:
+                self._unit_props = systemctl_show(self.unit, UNIT_PROPERTIES)
+            except RuntimeError as err:
+                self._unit_props = err
+        if isinstance(self._unit_props, RuntimeError):
+            raise self._unit_props
+        return self._unit_props
 
     def main_pid(self) -> int:
         if self._main_pid is not None:

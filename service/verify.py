@@ -1,0 +1,234 @@
+"""``python3 -m service.verify``: run the live-state checks on this host and report them.
+
+Reads ``/etc/gptoss/verify.d/<role>.json`` (what each role promised). Keys per role file:
+
+- nvidia_driver.json: require_gpu, min_driver (default 535), cuda_version, gpu_count, gpu_name_contains,
+  p2p_expected (supported | unsupported | any)              -> DRV-001, DRV-002, GPU-001..GPU-004
+- kernel_cmdline.json: flags (["nvidia.NVreg_X=V", ...])    -> KRN-001, KRN-002
+- model_mount.json: mount_point, fstype, options            -> MNT-001
+- cpu_governor.json: governor                               -> CPU-001
+- nccl_env.json: variables ({NAME: value})                  -> ENV-001 (unit from vllm_service.json)
+- vllm_service.json: unit, max_restarts (default 3), argv, base_url, served_model_name, api_key_file
+                                                            -> SVC-001..SVC-003, API-001..API-003
+- model_weights.json: model_dir                             -> MDL-001
+
+Exit codes: 0 every check passed (skips and waived ones are fine), 1 a check failed or could not run
+(status fail or error), 2 the tool itself could not work (bad config dir, unreadable JSON, bad waivers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import socket
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+from service import checks
+
+DEFAULT_CONFIG_DIR = Path("/etc/gptoss/verify.d")
+FAILING = ("fail", "error")
+# Widest a table cell gets before it is cut; the reason column is never cut.
+CELL_WIDTH = {"title": 44, "expected": 40, "found": 48}
+
+
+# ------------------------------------------------------------------ waivers
+
+
+def load_waivers(path: str | Path) -> list[dict[str, str]]:
+    """A JSON list of {"id", "reason", "expires"?: "YYYY-MM-DD"}; ConfigError on anything else."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise checks.ConfigError(f"waivers {path}: {err}") from err
+    if not isinstance(data, list):
+        raise checks.ConfigError(f"waivers {path}: expected a JSON list of objects")
+    waivers = []
+    for n, item in enumerate(data):
+        where = f"waivers {path} entry {n}"
+        if not isinstance(item, dict) or not isinstance(item.get("id"), str) or not item["id"]:
+            raise checks.ConfigError(f"{where}: needs an 'id'")
+        if item["id"] not in checks.CHECK_IDS:
+            raise checks.ConfigError(f"{where}: unknown check id {item['id']!r}")
+        if not str(item.get("reason") or "").strip():
+            raise checks.ConfigError(f"{where} ({item['id']}): a waiver needs a non-empty reason")
+        expires = item.get("expires")
+        if expires is not None:
+            try:
+                dt.date.fromisoformat(str(expires))
+            except ValueError as err:
+                raise checks.ConfigError(f"{where} ({item['id']}): expires {expires!r} is not YYYY-MM-DD") from err
+        waivers.append({"id": item["id"], "reason": str(item["reason"]).strip(),
+                        **({"expires": str(expires)} if expires is not None else {})})
+    return waivers
+
+
+def apply_waivers(results: list[dict[str, Any]], waivers: list[dict[str, str]],
+                  today: dt.date | None = None) -> list[str]:
+    """Mark waived failing results 'waived' (in place); returns notes about expired waivers."""
+    today = today or dt.date.today()
+    notes = []
+    for waiver in waivers:
+        expires = waiver.get("expires")
+        if expires and dt.date.fromisoformat(expires) < today:
+            notes.append(f"waiver for {waiver['id']} expired on {expires}: ignored")
+            for result in results:
+                if result["id"] == waiver["id"]:
+                    result["reason"] = (result["reason"] + "; " if result["reason"] else "") + \
+                        f"waiver expired {expires}"
+            continue
+        for result in results:
+            if result["id"] == waiver["id"] and result["status"] in FAILING:
+                result["waived_status"] = result["status"]
+                result["status"] = "waived"
+                result["waiver"] = waiver["reason"]
+    return notes
+
+
+# ------------------------------------------------------------------ output
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+    counts = {s: 0 for s in (*checks.STATUSES, "waived")}
+    for result in results:
+        counts[result["status"]] = counts.get(result["status"], 0) + 1
+    return {**counts, "total": len(results), "ok": counts["fail"] == 0 and counts["error"] == 0}
+
+
+def _cell(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def format_table(results: list[dict[str, Any]]) -> str:
+    rows = [["ID", "STATUS", "TITLE", "EXPECTED", "FOUND", "REASON"]]
+    for r in results:
+        reason = r["reason"] + (f" [waived: {r['waiver']}]" if r.get("waiver") else "")
+        rows.append([r["id"], r["status"].upper(), _cell(r["title"], CELL_WIDTH["title"]),
+                     _cell(r["expected"], CELL_WIDTH["expected"]), _cell(r["found"], CELL_WIDTH["found"]), reason])
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    return "\n".join("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:5])) + "  " + row[5]
+                     for row in rows).rstrip()
+
+
+def format_summary(summary: dict[str, Any], seconds: float | None = None) -> str:
+    parts = [f"{summary[s]} {s}" for s in ("pass", "fail", "error", "skip", "waived") if summary[s]]
+    timing = f" in {seconds:.2f} s" if seconds is not None else ""
+    return f"{'OK' if summary['ok'] else 'FAILED'}: {', '.join(parts) or 'no checks'}{timing}"
+
+
+def junit_xml(reports: dict[str, dict[str, Any]]) -> bytes:
+    """One <testsuite> per host, one <testcase> per check; waived is skipped with its reason."""
+    suites = ET.Element("testsuites", name="gptoss-verify")
+    for host, report in reports.items():
+        results = report.get("results", [])
+        summary = summarize(results)
+        suite = ET.SubElement(suites, "testsuite", name=f"verify {host}", tests=str(len(results)),
+                              failures=str(summary["fail"]), errors=str(summary["error"]),
+                              skipped=str(summary["skip"] + summary["waived"]))
+        if "error" in report:
+            case = ET.SubElement(suite, "testcase", classname=host, name="host")
+            ET.SubElement(case, "error", message=report["error"])
+            suite.set("errors", "1")
+            suite.set("tests", "1")
+        for r in results:
+            case = ET.SubElement(suite, "testcase", classname=host, name=f"{r['id']} {r['title']}")
+            detail = f"expected: {r['expected']}\nfound: {r['found']}\nreason: {r['reason']}"
+            if r["status"] == "fail":
+                ET.SubElement(case, "failure", message=r["reason"] or "failed").text = detail
+            elif r["status"] == "error":
+                ET.SubElement(case, "error", message=r["reason"] or "error").text = detail
+            elif r["status"] == "skip":
+                ET.SubElement(case, "skipped", message=r["reason"])
+            elif r["status"] == "waived":
+                ET.SubElement(case, "skipped", message=f"waived: {r['waiver']}").text = detail
+    return ET.tostring(suites, encoding="utf-8", xml_declaration=True)
+
+
+def exit_code(reports: dict[str, dict[str, Any]]) -> int:
+    if any("error" in report for report in reports.values()):
+        return 2
+    return 0 if all(summarize(r["results"])["ok"] for r in reports.values()) else 1
+
+
+def report_hosts(reports: dict[str, dict[str, Any]], *, as_json: bool = False, junit: str | None = None,
+                 waivers: list[dict[str, str]] | None = None) -> int:
+    """Print reports of several hosts (the controller's `invoke verify`), apply waivers, return the exit code."""
+    for report in reports.values():
+        if "results" in report:
+            report.setdefault("notes", []).extend(apply_waivers(report["results"], waivers or []))
+            report["summary"] = summarize(report["results"])
+    if junit:
+        Path(junit).write_bytes(junit_xml(reports))
+    if as_json:
+        print(json.dumps({"hosts": reports}, indent=2))
+    else:
+        for host, report in reports.items():
+            print(f"== {host}")
+            if "error" in report:
+                print(f"ERROR: {report['error']}")
+                continue
+            print(format_table(report["results"]))
+            for note in report.get("notes", []):
+                print(f"note: {note}")
+            print(format_summary(report["summary"], report.get("duration_s")))
+    return exit_code(reports)
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python3 -m service.verify", description=__doc__.splitlines()[0])
+    parser.add_argument("--config-dir", type=Path, default=DEFAULT_CONFIG_DIR)
+    parser.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    parser.add_argument("--junit", metavar="PATH", help="also write JUnit XML here")
+    parser.add_argument("--no-completion", action="store_true", help="skip API-003 (one real completion)")
+    parser.add_argument("--waivers", metavar="FILE", help="JSON list of {id, reason, expires?}")
+    parser.add_argument("--only", metavar="ID,ID", help="run only these check IDs")
+    parser.add_argument("--timeout", type=float, default=2.0, help="HTTP timeout per request, seconds")
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The host report; raises ConfigError for exit 2."""
+    start = time.monotonic()
+    only = {part.strip() for part in args.only.split(",") if part.strip()} if args.only else None
+    unknown = sorted(only - set(checks.CHECK_IDS)) if only else []
+    if unknown:
+        raise checks.ConfigError(f"--only: unknown check id(s) {', '.join(unknown)}; known: "
+                                 f"{', '.join(checks.CHECK_IDS)}")
+    waivers = load_waivers(args.waivers) if args.waivers else []
+    ctx = checks.Context(checks.load_roles(args.config_dir), no_completion=args.no_completion, timeout=args.timeout)
+    results = [r.to_dict() for r in checks.run_checks(ctx, only)]
+    notes = apply_waivers(results, waivers)
+    return {"host": socket.gethostname(), "config_dir": str(args.config_dir), "results": results,
+            "summary": summarize(results), "notes": notes, "duration_s": round(time.monotonic() - start, 3)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        report = run(args)
+    except checks.ConfigError as err:
+        if args.json:
+            print(json.dumps({"host": socket.gethostname(), "error": str(err)}))
+        print(f"verify: {err}", file=sys.stderr)
+        return 2
+    if args.junit:
+        Path(args.junit).write_bytes(junit_xml({report["host"]: report}))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_table(report["results"]))
+        for note in report["notes"]:
+            print(f"note: {note}")
+        print(format_summary(report["summary"], report["duration_s"]))
+    return 0 if report["summary"]["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
