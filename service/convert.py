@@ -27,6 +27,7 @@ import argparse
 import ctypes
 import errno
 import json
+import mmap
 import os
 import re
 import shutil
@@ -46,6 +47,7 @@ from service.safetensors_check import (
     INDEX_NAME,
     SafetensorsFormatError,
     SafetensorsHeader,
+    TensorEntry,
     aliases_of,
     check_safetensors_dir,
     read_header,
@@ -451,15 +453,6 @@ def write_shard_file(path: Path, plan: ShardPlan, metadata: dict[str, str], prog
         os.close(fd)
 
 
-def _readinto_exact(f, buffer: memoryview) -> None:
-    filled = 0
-    while filled < len(buffer):
-        n = f.readinto(buffer[filled:])
-        if not n:
-            raise ConversionError(f"{f.name}: unexpected end of file while verifying")
-        filled += n
-
-
 def verify_shard_file(path: Path, plan: ShardPlan, source: Path, progress: Progress,
                       label: str) -> SafetensorsHeader:
     """Re-read the file as written and compare header and every byte with the source tensors.
@@ -479,27 +472,41 @@ def verify_shard_file(path: Path, plan: ShardPlan, source: Path, progress: Progr
     if aliases != plan.aliases:
         raise ConversionError(f"{path}: recorded aliases {aliases} differ from "
                               f"{source.name}'s {plan.aliases}")
-    buffer = bytearray(VERIFY_CHUNK)
-    buffer_view = memoryview(buffer)
-    buffer_tensor = torch.frombuffer(buffer, dtype=torch.uint8)
-    with path.open("rb", buffering=0) as f:
-        for entry in sorted(header.tensors.values(), key=lambda e: e.begin):
-            tensor = expected[entry.name]
-            if entry.dtype != TORCH_TO_SAFETENSORS[tensor.dtype] or entry.shape != list(tensor.shape):
-                raise ConversionError(f"{path}: tensor {entry.name!r} is {entry.dtype} {entry.shape}, "
-                                      f"source has {tensor.dtype} {list(tensor.shape)}")
-            flat, in_place = _as_flat_bytes(tensor)
-            f.seek(header.data_start + entry.begin)
-            for start, length in _chunks(flat.numel(), VERIFY_CHUNK):
-                _readinto_exact(f, buffer_view[:length])
-                if not torch.equal(flat[start : start + length], buffer_tensor[:length]):
-                    raise ConversionError(f"{path}: tensor {entry.name!r} differs from {source.name} "
-                                          f"near byte {start}")
-                if in_place and plan.mmap_backed:
-                    _release_source_pages(flat.data_ptr() + start, length)
-                progress.advance(length, label)
-            del flat
+    # Compare against a private read-only mapping of the file: no copy into a buffer, and pages
+    # already compared are dropped again so RSS stays at about one chunk.
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mapped:
+        on_disk = torch.frombuffer(mapped, dtype=torch.uint8)
+        try:
+            for entry in sorted(header.tensors.values(), key=lambda e: e.begin):
+                _compare_tensor(path, source, entry, expected[entry.name], on_disk, header.data_start, plan,
+                                progress, label, mapped)
+        finally:
+            del on_disk  # the mapping cannot close while a tensor still exports it
     return header
+
+
+def _compare_tensor(path: Path, source: Path, entry: TensorEntry, tensor: torch.Tensor, on_disk: torch.Tensor,
+                    data_start: int, plan: ShardPlan, progress: Progress, label: str, mapped: mmap.mmap) -> None:
+    if entry.dtype != TORCH_TO_SAFETENSORS[tensor.dtype] or entry.shape != list(tensor.shape):
+        raise ConversionError(f"{path}: tensor {entry.name!r} is {entry.dtype} {entry.shape}, "
+                              f"source has {tensor.dtype} {list(tensor.shape)}")
+    flat, in_place = _as_flat_bytes(tensor)
+    base = data_start + entry.begin
+    for start, length in _chunks(flat.numel(), VERIFY_CHUNK):
+        if not torch.equal(flat[start : start + length], on_disk[base + start : base + start + length]):
+            raise ConversionError(f"{path}: tensor {entry.name!r} differs from {source.name} near byte {start}")
+        if in_place and plan.mmap_backed:
+            _release_source_pages(flat.data_ptr() + start, length)
+        _release_mapped_pages(mapped, base + start, length)
+        progress.advance(length, label)
+
+
+def _release_mapped_pages(mapped: mmap.mmap, offset: int, length: int) -> None:
+    """Drop compared pages of our read-only private mapping of the output (clean file pages)."""
+    start = -(-offset // PAGE_SIZE) * PAGE_SIZE
+    end = (offset + length) // PAGE_SIZE * PAGE_SIZE
+    if end > start and hasattr(mapped, "madvise"):
+        mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def _explain_os_error(exc: OSError, final: Path) -> ConversionError:
