@@ -222,6 +222,9 @@ def test(c, k="", args=""):
     c.run(f"{ROOT}/.venv/bin/pytest -ra {selection} {args}", pty=False)
 
 
+LAB_WAIVERS = ROOT / "inventory" / "lab-waivers.json"
+
+
 @task
 def demo(c):
     """The main job end to end on the lab: lab up -> ansible-playbook site.yml -> invoke verify."""
@@ -229,11 +232,66 @@ def demo(c):
     lab_model(c)
     lab_up(c)
     converge(c)
-    print("\n== invoke verify ==")
-    verify(c)
+    print(f"\n== invoke verify --waivers {LAB_WAIVERS.relative_to(ROOT)} ==")
+    verify(c, waivers=str(LAB_WAIVERS))
+
+
+# ---------------------------------------------------------------- benchmarks
+
+
+def _lab_endpoint() -> tuple[str, str]:
+    state = nspawn.load_state(lab_name())
+    if state is None:
+        raise Exit("bench: no --url given and the lab is not up", code=2)
+    return f"http://{state.address}:8000", "tiny-llama"
+
+
+@task(help={"url": "server base URL (default: the lab)", "model": "served model name (default: the lab's)",
+            "concurrency": "comma-separated levels", "num_prompts": "requests per level",
+            "input_len": "prompt tokens", "output_len": "generated tokens", "out": "JSON result path",
+            "plot": "PNG plot path", "compare": "two result JSON files A,B: print them side by side",
+            "args": "extra service.bench arguments"})
+def bench(c, url="", model="", concurrency="1,2,4,8,16", num_prompts=32, input_len=128, output_len=64,
+          out="", plot="", compare="", args=""):
+    """Load the OpenAI API with streaming requests: TTFT, ITL/TPOT, E2E p50/p95/p99, throughput, /metrics, NVML."""
+    if compare:
+        first, second = compare.split(",")
+        c.run(f"{PYTHON} -m service.bench --compare {first} {second}", pty=False)
+        return
+    if not url:
+        url, default_model = _lab_endpoint()
+        model = model or default_model
+    out = out or str(ROOT / ".cache" / "bench" / "bench.json")
+    plot = plot or str(Path(out).with_suffix(".png"))
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    c.run(f"{PYTHON} -m service.bench --base-url {url} --model {model} --concurrency {concurrency} "
+          f"--num-prompts {num_prompts} --input-len {input_len} --output-len {output_len} "
+          f"--json {out} --plot {plot} {args}", pty=False)
+
+
+@task(name="bench-vllm", help={"url": "server base URL (default: the lab)", "args": "extra script arguments"})
+def bench_vllm(c, url="", model="", args=""):
+    """Run invoke bench and vLLM's own `bench serve` side by side on one server; print ratios."""
+    tokenizer = ""
+    if not url:
+        url, default_model = _lab_endpoint()
+        model = model or default_model
+        tokenizer = f"--tokenizer {TINY_MODEL_DIR}"  # the lab serves this model
+    vllm_python = VLLM_TEST_VENV / "bin" / "python"
+    c.run(f"{PYTHON} bench/compare_with_vllm_bench.py --base-url {url} --model {model} {tokenizer} "
+          f"--vllm-python {vllm_python} {args}", pty=False)
+
+
+@task(name="bench-convert", help={"args": "extra bench/bench_convert.py arguments"})
+def bench_convert(c, args=""):
+    """Converter: throughput vs cp, peak RSS vs shard size, safetensors vs .bin load time (>= 2 GB checkpoint)."""
+    c.run(f"{PYTHON} bench/bench_convert.py {args}", pty=False)
 
 
 ns.add_task(lint)
 ns.add_task(vllm_venv)
 ns.add_task(test)
 ns.add_task(demo)
+ns.add_task(bench)
+ns.add_task(bench_vllm)
+ns.add_task(bench_convert)

@@ -195,6 +195,10 @@ def process_tree(root_pid: int, proc: Path = Path("/proc")) -> list[int]:
 
 def read_environ(pid: int, proc: Path = Path("/proc")) -> dict[str, str]:
     raw = (proc / str(pid) / "environ").read_bytes()
+    if raw.startswith(b"\0"):
+        # setproctitle moved the environment to make room for a longer title and zeroed the start
+        # of the old area: what is left is a tail of it, not the environment. Report it unreadable.
+        return {}
     env = {}
     for item in raw.split(b"\0"):
         key, sep, value = item.partition(b"=")
@@ -462,22 +466,33 @@ def check_nccl_env(ctx: Context) -> CheckResult:
     variables = {str(k): str(v) for k, v in ctx.role("nccl_env").get("variables", {}).items()}
     expected = " ".join(f"{k}={v}" for k, v in variables.items())
     try:
-        pids = process_tree(ctx.main_pid())
+        main_pid = ctx.main_pid()
+        pids = process_tree(main_pid)
     except (RuntimeError, LookupError) as err:
         return CheckResult(cid, title, "error" if isinstance(err, RuntimeError) else "fail", expected, "", str(err))
-    problems = []
+    problems, unreadable = [], []
     for pid in pids:
         try:
             env = read_environ(pid)
         except OSError:
             continue  # a worker that exited between the walk and the read
+        if not env:
+            # setproctitle ("VLLM::EngineCore") reuses the environ area for the longer title, so
+            # /proc/PID/environ reads empty; these children inherit the main process's environment.
+            unreadable.append(pid)
+            continue
         for name, value in variables.items():
             if name not in env:
                 problems.append(f"PID {pid}: {name} missing")
             elif env[name] != value:
                 problems.append(f"PID {pid}: {name}={env[name]!r} (want {value!r})")
-    found = f"{len(pids)} process(es): " + ",".join(map(str, pids))
-    return CheckResult(cid, title, "fail" if problems else "pass", expected, found, "; ".join(problems[:6]))
+    if main_pid in unreadable:
+        problems.append(f"PID {main_pid} (main): environment not readable")
+    found = f"{len(pids) - len(unreadable)} of {len(pids)} process(es) read: " + ",".join(
+        str(p) for p in pids if p not in unreadable)
+    note = f"; retitled, environ not readable: {','.join(map(str, unreadable))}" if unreadable else ""
+    return CheckResult(cid, title, "fail" if problems else "pass", expected, found,
+                       ("; ".join(problems[:6]) + note).lstrip("; "))
 
 
 def check_unit_state(ctx: Context) -> CheckResult:

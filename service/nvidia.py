@@ -201,13 +201,31 @@ def p2p_supported_all_pairs(snapshot: dict[str, Any]) -> bool | None:
     return all(pair["status"] == "ok" for pair in snapshot.get("p2p", []))
 
 
+def p2p_reason(snapshot: dict[str, Any]) -> str:
+    """One line on why P2P is or is not usable, for the NCCL environment file's header."""
+    if not snapshot.get("available"):
+        return f"no NVML: {snapshot.get('reason', 'unknown')}"
+    pairs = snapshot.get("p2p", [])
+    if not pairs:
+        return f"{len(snapshot.get('gpus', []))} GPU(s): no GPU pairs"
+    return "P2P status " + ", ".join(f"GPU{p['a']}-GPU{p['b']}: {p['status']}" for p in pairs)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m service.nvidia", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the NVML snapshot and /proc facts as JSON")
+    parser.add_argument("--cuda", metavar="X.Y", help="also report min_driver_for_cuda for a CUDA X.Y build")
     args = parser.parse_args(argv)
     snapshot = nvml_snapshot()
     snapshot["p2p_supported_all_pairs"] = p2p_supported_all_pairs(snapshot)
+    snapshot["p2p_reason"] = p2p_reason(snapshot)
     snapshot["proc"] = read_proc_driver()
+    if args.cuda:
+        try:
+            snapshot["min_driver_for_cuda"] = minimum_driver_for_cuda(args.cuda)
+        except ValueError as err:
+            print(f"error: --cuda: {err}", file=sys.stderr)
+            return 2
     if args.json:
         print(json.dumps(snapshot, indent=2, sort_keys=True))
     else:
