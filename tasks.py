@@ -269,6 +269,74 @@ def bench(c, url="", model="", concurrency="1,2,4,8,16", num_prompts=32, input_l
           f"--json {out} --plot {plot} {args}", pty=False)
 
 
+@task(help={"ttft_p95_ms": "latency target: p95 time to first token at --concurrency",
+            "concurrency": "the load level the target is about", "max_num_seqs": "grid values, comma-separated",
+            "max_num_batched_tokens": "grid values", "chunked": "chunked prefill values: on,off",
+            "two_gpus": "also try TP=2 against two replicas (DP=2)", "accept": "keep the winner (else restore)",
+            "url": "server base URL (default: the lab)", "model": "served model name",
+            "inventory": "inventory file (default: the lab)", "num_prompts": "requests per benchmark",
+            "input_len": "prompt tokens", "output_len": "generated tokens"}, auto_shortflags=False)
+def tune(c, ttft_p95_ms=800, concurrency=4, max_num_seqs="2,4", max_num_batched_tokens="256,512",
+         chunked="on,off", two_gpus=False, accept=False, url="", model="", inventory=None, num_prompts=16,
+         input_len=64, output_len=32):
+    """Sweep a small flag grid: validate, roll out safely and benchmark each candidate; keep the best."""
+    from service import tune as tuning
+
+    if not url:
+        url, default_model = _lab_endpoint()
+        model = model or default_model
+    hosts = sorted(json.loads(c.run(f"{ROOT}/.venv/bin/ansible-inventory {'-i ' + inventory if inventory else ''}"
+                                    " --list", hide=True, env={"GPTOSS_LAB": lab_name()}).stdout)
+                   .get("_meta", {}).get("hostvars", {}))
+    if len(hosts) != 1:
+        raise Exit(f"tune: needs exactly one host in the inventory, found {hosts}", code=2)
+    candidates = tuning.grid(tuning.parse_int_list(max_num_seqs), tuning.parse_int_list(max_num_batched_tokens),
+                             [v.strip() == "on" for v in chunked.split(",")],
+                             tuning.TWO_GPU_LAYOUTS if two_gpus else None)
+    work = ROOT / ".cache" / "tune"
+    work.mkdir(parents=True, exist_ok=True)
+    trials = []
+    for number, overrides in enumerate(candidates, start=1):
+        print(f"\n== tune {number}/{len(candidates)}: {overrides}")
+        extra = json.dumps({"vllm_service_flags_override": overrides})
+        rollout = _ansible(c, f"ansible-playbook playbooks/vllm.yml --tags vllm_service -e '{extra}'", inventory,
+                           warn=True)
+        if rollout.exited != 0:
+            reason = next((line.strip() for line in reversed(rollout.stdout.splitlines()) if "vllm_service" in line),
+                          "rollout failed")
+            trials.append(tuning.Trial(overrides, "rejected", detail=reason[:160]))
+            continue
+        out = work / f"candidate-{number}.json"
+        bench_run = c.run(f"{PYTHON} -m service.bench --base-url {url} --model {model} --concurrency {concurrency} "
+                          f"--num-prompts {num_prompts} --input-len {input_len} --output-len {output_len} "
+                          f"--json {out}", warn=True, hide="out", pty=False)
+        bench_result = json.loads(out.read_text()) if out.exists() else {}
+        trial = tuning.score(overrides, bench_result, concurrency)
+        if bench_run.exited != 0 and trial.status == "ok":
+            trial.status, trial.detail = "bench-failed", f"bench exit {bench_run.exited}"
+        trials.append(trial)
+    best = tuning.pick_best(trials, ttft_p95_ms)
+    print("\n" + tuning.format_trials(trials, ttft_p95_ms, best))
+    (work / "trials.json").write_text(json.dumps([t.__dict__ for t in trials], indent=2, default=str))
+    tuned_file = ROOT / "inventory" / "host_vars" / hosts[0] / "vllm_tuned.yml"
+    if best is not None and accept:
+        tuned_file.parent.mkdir(parents=True, exist_ok=True)
+        tuned_file.write_text("---\n# Written by `invoke tune`: the best candidate within p95 TTFT <= "
+                              f"{ttft_p95_ms:g} ms at concurrency {concurrency}.\n"
+                              "vllm_service_flags_override:\n"
+                              + "".join(f"  {k}: {json.dumps(v)}\n" for k, v in best.overrides.items()))
+        print(f"tune: winner kept in {tuned_file.relative_to(ROOT)}; rolling it out")
+    elif best is None:
+        print(f"tune: no candidate met p95 TTFT <= {ttft_p95_ms:g} ms; restoring the previous configuration")
+    else:
+        print("tune: winner not accepted (pass --accept to keep it); restoring the previous configuration")
+    final = _ansible(c, "ansible-playbook playbooks/vllm.yml --tags vllm_service", inventory, warn=True)
+    if final.exited != 0:
+        raise Exit("tune: restoring the configuration failed; see the play output above", code=2)
+    if best is None:
+        raise Exit(code=1)
+
+
 @task(name="bench-vllm", help={"url": "server base URL (default: the lab)", "args": "extra script arguments"})
 def bench_vllm(c, url="", model="", args=""):
     """Run invoke bench and vLLM's own `bench serve` side by side on one server; print ratios."""
@@ -294,4 +362,5 @@ ns.add_task(test)
 ns.add_task(demo)
 ns.add_task(bench)
 ns.add_task(bench_vllm)
+ns.add_task(tune)
 ns.add_task(bench_convert)

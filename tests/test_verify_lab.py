@@ -1,0 +1,136 @@
+"""Issue 6: invoke verify against the converged lab; break one thing at a time."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from conftest import ROOT, Lab, run_invoke
+
+from lab import nspawn
+
+WAIVERS = str(ROOT / "inventory" / "lab-waivers.json")
+
+
+def verify_local(lab: Lab, *args: str) -> tuple[int, dict]:
+    """Run service.verify on the lab itself (the deployed copy) and parse its JSON."""
+    command = f"cd /opt/gptoss/lib && python3 -m service.verify --json --waivers /root/waivers.json {' '.join(args)}"
+    proc = lab.ssh(command, check=False)
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def statuses(report: dict) -> dict[str, str]:
+    return {r["id"]: r["status"] for r in report["results"]}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def lab_waivers(lab: Lab):
+    with open(WAIVERS) as handle:
+        lab.sh(f"cat > /root/waivers.json <<'EOF'\n{handle.read()}\nEOF")
+
+
+def wait_until_serving(lab: Lab) -> None:
+    lab.sh(f"cd /opt/gptoss/lib && python3 -m service.rollout wait --base-url {lab.base_url} --model tiny-llama"
+           " --timeout 300 --unit gptoss-vllm.service")
+
+
+def failing(report: dict) -> set[str]:
+    return {cid for cid, status in statuses(report).items() if status in ("fail", "error")}
+
+
+def test_verify_across_the_inventory_passes_after_converge(lab: Lab, tmp_path):
+    junit = tmp_path / "verify.xml"
+    result = run_invoke("verify", "--waivers", WAIVERS, "--junit", str(junit), env=lab.env)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "OK:" in result.stdout and "API-003  PASS" in result.stdout
+    assert "<testsuite" in junit.read_text()
+
+
+def test_verify_json_and_exit_code_on_the_host(lab: Lab):
+    code, report = verify_local(lab)
+    assert code == 0, report
+    found = statuses(report)
+    for cid in ("MNT-001", "SVC-001", "SVC-002", "SVC-003", "ENV-001", "API-001", "API-002", "API-003", "MDL-001"):
+        assert found[cid] == "pass", (cid, report)
+    assert found["KRN-001"] == "waived"
+    assert found["CPU-001"] == "skip"  # no cpufreq in a container: reported, not pretended
+
+
+def test_local_run_without_completion_is_fast(lab: Lab):
+    started = time.monotonic()
+    code, report = verify_local(lab, "--no-completion")
+    print(f"verify --no-completion: {report['duration_s']}s in-process, {time.monotonic() - started:.2f}s over SSH")
+    assert code == 0
+    assert statuses(report)["API-003"] == "skip"
+
+
+def test_remount_without_nobarrier_fails_only_the_mount_check(lab: Lab):
+    lab.sh("mount -o remount,barrier /models")
+    try:
+        code, report = verify_local(lab, "--no-completion")
+        assert code == 1
+        assert failing(report) == {"MNT-001"}, report
+    finally:
+        lab.sh("mount -o remount,nobarrier /models")
+
+
+def test_stripped_nccl_variable_fails_only_the_env_check(lab: Lab):
+    lab.sh("cp -p /etc/gptoss/nccl.env /root/nccl.env.saved && sed -i '/^NCCL_IB_DISABLE=/d' /etc/gptoss/nccl.env"
+           " && systemctl restart gptoss-vllm")
+    try:
+        wait_until_serving(lab)
+        code, report = verify_local(lab)
+        assert code == 1
+        assert failing(report) == {"ENV-001"}, report
+        assert "NCCL_IB_DISABLE missing" in next(r for r in report["results"] if r["id"] == "ENV-001")["reason"]
+    finally:
+        lab.sh("cp -p /root/nccl.env.saved /etc/gptoss/nccl.env && systemctl restart gptoss-vllm")
+        wait_until_serving(lab)
+
+
+def test_stopped_unit_fails_the_service_checks_only(lab: Lab):
+    lab.sh("systemctl stop gptoss-vllm")
+    try:
+        code, report = verify_local(lab)
+        assert code == 1
+        bad = failing(report)
+        assert "SVC-001" in bad and "API-001" in bad
+        # Everything not about the running server still passes.
+        assert bad <= {"SVC-001", "SVC-003", "ENV-001", "API-001", "API-002", "API-003"}, report
+        assert statuses(report)["MNT-001"] == "pass" and statuses(report)["MDL-001"] == "pass"
+    finally:
+        lab.sh("systemctl start gptoss-vllm")
+        wait_until_serving(lab)
+
+
+def test_corrupted_weights_fail_naming_the_file_and_converge_repairs(lab: Lab):
+    shard = "/models/tiny-llama/model-00001-of-00001.safetensors"
+    lab.sh(f"truncate -s 1000 {shard}")
+    code, report = verify_local(lab, "--no-completion")
+    assert code == 1
+    assert failing(report) == {"MDL-001"}, report
+    assert "model-00001-of-00001.safetensors" in next(r for r in report["results"] if r["id"] == "MDL-001")["reason"]
+    repaired = lab.play("playbooks/model.yml")
+    assert repaired.rc == 0, repaired.output[-3000:]
+    assert verify_local(lab, "--no-completion")[0] == 0
+
+
+def test_deleted_model_folder_fails_and_converge_repairs(lab: Lab):
+    lab.sh("rm -rf /models/tiny-llama")
+    code, report = verify_local(lab, "--no-completion")
+    assert code == 1 and "MDL-001" in failing(report)
+    repaired = lab.play("playbooks/model.yml")
+    assert repaired.rc == 0, repaired.output[-3000:]
+    assert verify_local(lab, "--no-completion")[0] == 0
+
+
+def test_unreachable_host_exits_2_naming_it(lab: Lab):
+    nspawn.lab_exec(lab.state, ["systemctl", "stop", "ssh.service", "ssh.socket"], check=False)
+    try:
+        result = run_invoke("verify", "--no-completion", env=lab.env, timeout=300)
+        assert result.returncode == 2, result.stdout[-3000:]
+        assert f"host {lab.state.machine_name} unreachable" in result.stdout + result.stderr
+    finally:
+        nspawn.lab_exec(lab.state, ["systemctl", "start", "ssh.service"])
+        nspawn.wait_ssh(lab.state)
