@@ -275,10 +275,41 @@ def configure_rootfs(state: LabState) -> None:
         if not link.exists():
             link.symlink_to("/dev/null")
     (root / "models").mkdir(exist_ok=True)
+    install_fstab_mounter(root)
     # grub-pc installs /etc/default/grub from this template (its postinst wants a real disk).
     grub_default = root / "etc/default/grub"
     if not grub_default.exists():
         shutil.copy(root / "usr/share/grub/default/grub", grub_default)
+
+
+LAB_FSTAB_UNIT = """\
+# Written by lab.up. systemd's fstab generator ignores block-device entries inside a container
+# ("Running in a container, ignoring fstab device entry"); a real host mounts them at boot. This
+# unit does that job here, from the same /etc/fstab, so a lab reboot exercises the real entry.
+[Unit]
+Description=lab: mount the fstab block-device entries (systemd skips them in a container)
+DefaultDependencies=no
+After=systemd-remount-fs.service
+Before=local-fs.target
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+ExecStart=/bin/mount -a -t ext4,ext3,xfs,btrfs
+
+[Install]
+WantedBy=local-fs.target
+"""
+
+
+def install_fstab_mounter(root: Path) -> None:
+    unit = root / "etc/systemd/system/gptoss-lab-fstab.service"
+    unit.write_text(LAB_FSTAB_UNIT)
+    wants = root / "etc/systemd/system/local-fs.target.wants"
+    wants.mkdir(parents=True, exist_ok=True)
+    link = wants / unit.name
+    if not link.exists():
+        link.symlink_to(f"/etc/systemd/system/{unit.name}")
 
 
 def create_model_disk(state: LabState) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import ssl
 import time
 import urllib.error
@@ -90,3 +91,26 @@ def test_https_completion_through_the_reverse_proxy(lab: Lab, keyed_server, tmp_
     with pytest.raises(urllib.error.HTTPError) as denied:
         urllib.request.urlopen(anonymous, timeout=30, context=context)
     assert denied.value.code == 401
+
+
+def test_interrupted_play_converges_when_run_again(lab: Lab):
+    import signal
+    import subprocess
+
+    from conftest import ROOT, VENV_BIN
+
+    changed_flags = {"vllm_service_flags_override": {"max-num-seqs": 3}}
+    proc = subprocess.Popen([str(VENV_BIN / "ansible-playbook"), "site.yml", "-e", json.dumps(changed_flags)],
+                            cwd=ROOT, env=lab.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    time.sleep(40)  # somewhere in the middle of the play (it takes well over a minute)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    rerun = lab.play("site.yml")
+    assert rerun.rc == 0, rerun.output[-5000:]
+    # No half-written file anywhere the play writes: atomic writes leave only whole files.
+    leftovers = lab.sh("find /etc /models /opt/gptoss/lib /boot/grub -xdev \\( -name '.fstab.*' -o -name '*.tmp-*' "
+                       "-o -name '.ansible_tmp*' -o -name '*.partial' \\) -print")
+    assert leftovers.strip() == "", leftovers
+    assert "--max-num-seqs 4" in lab.sh("systemctl show -p ExecStart --value gptoss-vllm")
+    wait_serving(lab)
