@@ -49,7 +49,14 @@ class Lab:
     """The lab host of this test session."""
 
     def __init__(self, state: nspawn.LabState):
-        self.state = state
+        self.name = state.name
+
+    @property
+    def state(self) -> nspawn.LabState:
+        # Re-read every time: a lab restart records a new nspawn PID.
+        state = nspawn.load_state(self.name)
+        assert state is not None, f"lab {self.name} is gone"
+        return state
 
     @property
     def env(self) -> dict[str, str]:
