@@ -605,8 +605,14 @@ def verify_existing_shard(shard: SourceShard, model_dir: Path, progress: Progres
     final = model_dir / shard.output_name
     try:
         owner = read_header(final).metadata.get("gptoss_source")
-    except SafetensorsFormatError:
-        owner = None
+    except SafetensorsFormatError as exc:
+        # No readable header (truncated or corrupted): nobody's valid output. Keep its bytes aside,
+        # never delete them, and convert the shard again from its source.
+        damaged = final.with_name(final.name + ".damaged")
+        os.replace(final, damaged)
+        _fsync_dir(model_dir)
+        print(f"warning: {final}: unreadable ({exc}); moved to {damaged.name}, converting again", file=sys.stderr)
+        return None
     if owner is None:
         raise ConversionError(f"{final}: exists but was not written by {CONVERTER_ID} from "
                               f"{shard.path.name}; refusing to overwrite it")

@@ -74,7 +74,7 @@ def test_kernel_cmdline_dropin_and_reboot_required(lab: Lab, converged):
     # The lab shares the controller's kernel: the flags can never be live there, so it must say so.
     assert "REBOOT REQUIRED" in converged.second.output
     # The drop-in is sourced by grub-mkconfig with the default file: it must be valid shell.
-    lab.sh(". /etc/default/grub && . /etc/default/grub.d/60-gptoss.cfg && echo \"$GRUB_CMDLINE_LINUX_DEFAULT\"")
+    lab.sh(". /etc/default/grub && . /etc/default/grub.d/60-gptoss.cfg && echo \"$GRUB_CMDLINE_LINUX\"")
 
 
 def test_real_update_grub_put_the_flags_on_every_kernel_line_once(lab: Lab):

@@ -114,6 +114,8 @@ def test_corrupted_weights_fail_naming_the_file_and_converge_repairs(lab: Lab):
     repaired = lab.play("playbooks/model.yml")
     assert repaired.rc == 0, repaired.output[-3000:]
     assert verify_local(lab, "--no-completion")[0] == 0
+    # The damaged bytes were kept aside, not deleted.
+    assert lab.sh(f"stat -c %s {shard}.damaged").strip() == "1000"
 
 
 def test_deleted_model_folder_fails_and_converge_repairs(lab: Lab):

@@ -21,7 +21,7 @@ def http_json(url: str, body: dict | None = None, timeout: float = 60) -> dict:
 def test_unit_is_active_and_serves_the_model(lab: Lab, converged):
     status = lab.ssh("systemctl status gptoss-vllm --no-pager", check=False).stdout
     assert "Active: active (running)" in status
-    assert "vllm.entrypoints.openai.api_server" in status
+    assert "vllm.entrypoints.openai.api_server" in lab.sh(f"ps -o args= -p {lab.main_pid()}")
     models = http_json(f"{lab.base_url}/v1/models")
     assert [m["id"] for m in models["data"]] == ["tiny-llama"]
     completion = http_json(f"{lab.base_url}/v1/completions",
