@@ -130,7 +130,10 @@ def test_deleted_model_folder_fails_and_converge_repairs(lab: Lab):
 def test_unreachable_host_exits_2_naming_it(lab: Lab):
     nspawn.lab_exec(lab.state, ["systemctl", "stop", "ssh.service", "ssh.socket"], check=False)
     try:
-        result = run_invoke("verify", "--no-completion", env=lab.env, timeout=300)
+        # A persisted SSH master connection would outlive sshd; use fresh connections only.
+        env = {**lab.env, "ANSIBLE_SSH_ARGS": "-o ControlMaster=no -o UserKnownHostsFile=/dev/null "
+                                              "-o StrictHostKeyChecking=no -o LogLevel=ERROR"}
+        result = run_invoke("verify", "--no-completion", env=env, timeout=300)
         assert result.returncode == 2, result.stdout[-3000:]
         assert f"host {lab.state.machine_name} unreachable" in result.stdout + result.stderr
     finally:
