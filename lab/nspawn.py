@@ -493,13 +493,24 @@ def destroy(state: LabState) -> None:
         if device and loop_backing_file(device) == str(image):
             run(["losetup", "-d", device], check=False)
     if state.root_zram_device and Path(state.root_zram_device).exists() and not os.path.ismount(state.root):
-        (ZRAM_CONTROL / "hot_remove").write_text(state.root_zram_device.removeprefix("/dev/zram"))
+        remove_zram(state.root_zram_device)
     # nspawn may still be unmounting its API file systems for a moment after exit.
     for _ in range(20):
         shutil.rmtree(state.lab_dir, ignore_errors=True)
         if not Path(state.lab_dir).exists():
             break
         time.sleep(0.25)
+
+
+def remove_zram(device: str) -> None:
+    """Give the zram device back; right after umount the kernel can still call it busy for a moment."""
+    for _ in range(40):
+        try:
+            (ZRAM_CONTROL / "hot_remove").write_text(device.removeprefix("/dev/zram"))
+            return
+        except OSError:
+            time.sleep(0.25)
+    print(f"warning: {device} still busy; it stays allocated until the next reboot")
 
 
 def down(name: str) -> str:
