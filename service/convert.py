@@ -24,6 +24,7 @@ Exit codes: 0 success, 1 conversion/validation error, 2 usage error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import errno
 import json
@@ -523,15 +524,22 @@ def write_temp_shard(shard: SourceShard, number: int, model_dir: Path, progress:
     temp = _temp_path(final)
     state, mmap_backed = load_checkpoint(shard.path)
     plan = plan_shard(state, mmap_backed)
-    try:
+    with _temp_removed_on_error(temp, final):
         write_shard_file(temp, plan, _shard_metadata(shard.path, plan), progress, f"partial:{number}", settle)
+    return temp, plan
+
+
+@contextlib.contextmanager
+def _temp_removed_on_error(temp: Path, final: Path) -> Iterator[None]:
+    """Any failure removes the temp file, so no half-written output is ever left; OS errors get explained."""
+    try:
+        yield
     except OSError as exc:
         temp.unlink(missing_ok=True)
         raise _explain_os_error(exc, final) from exc
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
-    return temp, plan
 
 
 def publish_shard(temp: Path, shard: SourceShard, plan: ShardPlan, model_dir: Path,
@@ -541,7 +549,7 @@ def publish_shard(temp: Path, shard: SourceShard, plan: ShardPlan, model_dir: Pa
     Verifying before the fsync reads the same page-cache bytes the fsync then makes durable, and
     lets the disk write back while the comparison runs."""
     final = model_dir / shard.output_name
-    try:
+    with _temp_removed_on_error(temp, final):
         verify_shard_file(temp, plan, shard.path, progress, f"verify {shard.output_name[:20]}")
         fd = os.open(temp, os.O_RDONLY)
         try:
@@ -550,12 +558,6 @@ def publish_shard(temp: Path, shard: SourceShard, plan: ShardPlan, model_dir: Pa
             os.close(fd)
         os.replace(temp, final)
         _fsync_dir(model_dir)
-    except OSError as exc:
-        temp.unlink(missing_ok=True)
-        raise _explain_os_error(exc, final) from exc
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
 
 
 def remove_own_temp_files(model_dir: Path) -> None:
