@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -25,15 +26,13 @@ def lab_name() -> str:
 def _lab_errors(func):
     """Turn lab failures into a clean message and exit code 2 instead of a traceback."""
 
+    @functools.wraps(func)  # invoke reads the task's signature through __wrapped__
     def wrapper(*args, **kwargs):
         try:
             return func(*args, **kwargs)
         except nspawn.LabError as exc:
             raise Exit(f"lab error: {exc}", code=2) from exc
 
-    wrapper.__name__ = func.__name__
-    wrapper.__doc__ = func.__doc__
-    wrapper.__signature__ = __import__("inspect").signature(func)
     return wrapper
 
 
@@ -160,13 +159,18 @@ def verify(c, local=False, inventory=None, json_=False, junit="", no_completion=
     raise Exit(code=verify_mod.report_hosts(reports, as_json=json_, junit=junit or None, waivers=waived))
 
 
+def _inventory_hosts(c, inventory: str | None) -> list[str]:
+    """Host names of the inventory (default: the lab), as Ansible resolves them."""
+    command = f"{ROOT}/.venv/bin/ansible-inventory {'-i ' + inventory if inventory else ''} --list"
+    listing = json.loads(c.run(command, hide=True, env={"GPTOSS_LAB": lab_name()}).stdout)
+    return sorted(listing.get("_meta", {}).get("hostvars", {}))
+
+
 def _verify_inventory(c, inventory, args) -> dict:
     """Run playbooks/verify.yml and collect one JSON report per host; unreachable hosts become errors."""
     out_dir = ROOT / ".cache" / "verify"
     c.run(f"rm -rf {out_dir} && mkdir -p {out_dir}")
-    hosts_cmd = f"{ROOT}/.venv/bin/ansible-inventory {'-i ' + inventory if inventory else ''} --list"
-    listing = json.loads(c.run(hosts_cmd, hide=True, env={"GPTOSS_LAB": lab_name()}).stdout)
-    hosts = sorted(set(listing.get("_meta", {}).get("hostvars", {})))
+    hosts = _inventory_hosts(c, inventory)
     if not hosts:
         raise Exit("verify: the inventory has no hosts (is the lab up? `invoke lab.up`)", code=2)
     extra = json.dumps({"verify_out": str(out_dir), "verify_args": args})
@@ -285,9 +289,7 @@ def tune(c, ttft_p95_ms=800, concurrency=4, max_num_seqs="2,4", max_num_batched_
     if not url:
         url, default_model = _lab_endpoint()
         model = model or default_model
-    hosts = sorted(json.loads(c.run(f"{ROOT}/.venv/bin/ansible-inventory {'-i ' + inventory if inventory else ''}"
-                                    " --list", hide=True, env={"GPTOSS_LAB": lab_name()}).stdout)
-                   .get("_meta", {}).get("hostvars", {}))
+    hosts = _inventory_hosts(c, inventory)
     if len(hosts) != 1:
         raise Exit(f"tune: needs exactly one host in the inventory, found {hosts}", code=2)
     candidates = tuning.grid(tuning.parse_int_list(max_num_seqs), tuning.parse_int_list(max_num_batched_tokens),
