@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -214,6 +215,51 @@ def test_non_contiguous_and_overlapping_views(tmp_path: Path) -> None:
     assert_same_bits(state, load_converted(tmp_path))
 
 
+def test_mapped_tensors_are_located_in_the_source_file(tmp_path: Path) -> None:
+    """The in-kernel copy path: every contiguous tensor of a zip checkpoint is found at a file
+    offset whose bytes are exactly the tensor's bytes; a non-contiguous view is not (it is copied)."""
+    base = torch.randn(64, 32)
+    state = {**random_state(5), "transposed": base.t(), "empty": torch.empty(0)}
+    path = tmp_path / "pytorch_model.bin"
+    torch.save(state, path)
+    loaded, mmap_backed = convert.load_checkpoint(path)
+    plan = convert.plan_shard(loaded, mmap_backed, path)
+    spans = convert.source_file_spans(plan)
+    assert set(spans) == set(random_state(5))
+    data = path.read_bytes()
+    for name, offset in spans.items():
+        tensor = loaded[name]
+        nbytes = tensor.numel() * tensor.element_size()
+        assert data[offset : offset + nbytes] == bytes(raw_bytes(tensor).numpy()), name
+
+
+def test_byte_comparison_sees_one_flipped_bit_anywhere() -> None:
+    data = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+    assert convert.bytes_equal(data, data.clone())
+    for position in (0, 12345, data.numel() - 1):
+        changed = data.clone()
+        changed[position] ^= 1
+        assert not convert.bytes_equal(data, changed), position
+    assert not convert.bytes_equal(data, data[:-1])
+    assert convert.bytes_equal(data[:0], data[:0])
+
+
+@pytest.mark.parametrize("how", ["unsupported", "missing"])
+def test_write_falls_back_without_copy_file_range(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                  monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    def unsupported(*_args: object, **_kwargs: object) -> int:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    if how == "missing":
+        monkeypatch.delattr(os, "copy_file_range")
+    else:
+        monkeypatch.setattr(os, "copy_file_range", unsupported)
+    shards = [random_state(seed, prefix=f"fallback{seed}") for seed in range(2)]
+    make_sharded(tmp_path, shards)
+    assert run_in_process(capsys, tmp_path, "--no-progress").returncode == 0
+    assert_same_bits(merged(shards), load_converted(tmp_path))
+
+
 def test_pt_file_is_converted(tmp_path: Path) -> None:
     state = random_state(7, count=2)
     torch.save(state, tmp_path / "weights.pt")
@@ -391,9 +437,10 @@ def wait_for_stop_point(process: subprocess.Popen, event: str) -> None:
         time.sleep(0.01)
 
 
-def start_cli(model_dir: Path, stop_at: str) -> subprocess.Popen:
+def start_cli(model_dir: Path, stop_at: str, jobs: int = 1) -> subprocess.Popen:
+    """One shard at a time by default, so the files on disk at a stop point are exactly known."""
     return subprocess.Popen(
-        [sys.executable, "-m", "service.convert", str(model_dir), "--json", "--no-progress"],
+        [sys.executable, "-m", "service.convert", str(model_dir), "--json", "--no-progress", "--jobs", str(jobs)],
         cwd=REPO_ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -430,6 +477,34 @@ def test_killed_run_leaves_no_partial_output_and_resumes(tmp_path: Path) -> None
     assert_same_bits(merged(shards), load_converted(tmp_path))
 
 
+def test_killed_parallel_run_leaves_only_complete_shards_and_resumes(tmp_path: Path) -> None:
+    """--jobs 2: killed while shard 2 is half written (shard 1 may still be in flight too)."""
+    shards = [random_state(40 + i, prefix=f"p{i}", rows=1024) for i in range(4)]
+    make_sharded(tmp_path, shards)
+    process = start_cli(tmp_path, "partial:2", jobs=2)
+    try:
+        wait_for_stop_point(process, "partial:2")
+        assert len(list(tmp_path.glob(".model-00002-of-00004.safetensors.tmp-*"))) == 1
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        process.stdout.close()
+        process.stderr.close()
+    assert not (tmp_path / "model-00002-of-00004.safetensors").exists() and not (tmp_path / INDEX).exists()
+    finished = sorted(tmp_path.glob("model-*.safetensors"))
+    for path in finished:  # anything published is complete
+        assert check_safetensors_file(path) == []
+    resumed = run_cli(tmp_path, "--json", "--no-progress", "--jobs", "2")
+    assert resumed.returncode == 0, resumed.stderr
+    if finished:
+        assert f"skipped {len(finished)} already converted" in resumed.stderr
+    else:  # shard 1 was still in flight at the kill
+        assert "converted 4 shard(s)" in resumed.stderr
+    assert not list(tmp_path.glob(".*tmp-*"))
+    assert check_safetensors_dir(tmp_path) == []
+    assert_same_bits(merged(shards), load_converted(tmp_path))
+
+
 def test_sigterm_mid_write_removes_temp(tmp_path: Path) -> None:
     state = random_state(25, rows=1024)
     torch.save(state, tmp_path / "pytorch_model.bin")
@@ -445,7 +520,12 @@ def test_sigterm_mid_write_removes_temp(tmp_path: Path) -> None:
             process.kill()
             process.communicate()
     assert process.returncode == 128 + signal.SIGTERM
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["pytorch_model.bin"]
+    # The temp file is gone. The writer thread may have finished and published the (tiny) shard
+    # before the main thread handled the signal: then it is complete, as after any kill.
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left in (["pytorch_model.bin"], ["model-00001-of-00001.safetensors", "pytorch_model.bin"])
+    if len(left) == 2:
+        assert check_safetensors_file(tmp_path / left[0]) == []
 
 
 @pytest.fixture
@@ -482,15 +562,15 @@ def test_not_enough_space_fails_before_writing(tmp_path: Path, capsys: pytest.Ca
     assert snapshot(model) == before
 
 
-@pytest.mark.parametrize("shard_count", [1, 2])
+@pytest.mark.parametrize(("shard_count", "jobs"), [(1, 1), (2, 1), (3, 2)])
 def test_disk_full_mid_write_removes_temp_and_keeps_originals(tmp_path: Path, capsys: pytest.CaptureFixture,
-                                                              small_fs, shard_count: int) -> None:
-    model = small_fs(64)
+                                                              small_fs, shard_count: int, jobs: int) -> None:
+    model = small_fs(32 * shard_count + 32)  # sources + outputs + slack
     shards = [random_state(31 + i, prefix=f"s{i}", rows=8192) for i in range(shard_count)]  # ~12.6 MB each
     sources = make_sharded(model, shards)
     originals = {p.name: sha256(p) for p in sources}
     shard_bytes = sum(t.numel() * t.element_size() for t in shards[0].values())
-    process = start_cli(model, "after-space-check")
+    process = start_cli(model, "after-space-check", jobs=jobs)
     try:
         wait_for_stop_point(process, "after-space-check")
         # Another writer takes the space after the converter checked it: room for half the last shard.
@@ -505,8 +585,12 @@ def test_disk_full_mid_write_removes_temp_and_keeps_originals(tmp_path: Path, ca
             process.communicate()
     assert process.returncode == 1
     last = f"model-{shard_count:05d}-of-{shard_count:05d}.safetensors"
-    assert "no space left on device" in stderr and last in stderr
-    assert not list(model.glob(".*tmp-*")) and not (model / last).exists() and not (model / INDEX).exists()
+    assert "no space left on device" in stderr
+    if jobs == 1:  # in order: the last shard is the one that finds the disk full
+        assert last in stderr and not (model / last).exists()
+    else:  # two jobs write the last two shards at once: either may hit it first
+        assert any(f"model-{n:05d}-of-{shard_count:05d}.safetensors" in stderr for n in (shard_count - 1, shard_count))
+    assert not list(model.glob(".*tmp-*")) and not (model / INDEX).exists()
     for earlier in model.glob("model-*.safetensors"):  # a shard finished before the disk filled up
         assert check_safetensors_file(earlier) == []
     assert {p.name: sha256(p) for p in sources} == originals
