@@ -9,9 +9,12 @@ The two prompt sets come from different seeds on purpose: with identical prompts
 would be served from the prefix cache the first one filled.
 
 Prints throughputs and TTFTs side by side with ratios (service.bench / vllm) and PASS/FAIL for
-"within --tolerance", plus the harness's own CPU at 16 streams (getrusage of the service.bench
-process, target < --cpu-target % of one core). Exit 0 when every check passes, 1 otherwise,
-2 when a tool or the server could not run.
+"within --tolerance" on request, output-token and total-token throughput and median TTFT (the mean
+TTFT is shown unchecked: the lab server's TTFT tail moves a 96-request mean by 1.4-4x between rounds
+of one and the same tool, printed per round), plus the harness's own CPU at 16 streams (getrusage
+of the service.bench process, target < --cpu-target % of one core). service.bench samples /metrics
+at its default 1 Hz (--no-server-metrics turns that off). Exit 0 when every check passes, 1
+otherwise, 2 when a tool or the server could not run.
 
 On a small box the server and both clients share the same cores; the CPU figure is the
 harness process's own user+system time, so it stays honest, but the server is slower for it.
@@ -73,7 +76,9 @@ ROWS = (
     ("req/s", ("request_throughput",), "request_throughput", True),
     ("output tok/s", ("output_throughput",), "output_throughput", True),
     ("total tok/s", ("total_token_throughput",), "total_token_throughput", True),
-    ("TTFT mean ms", ("ttft_ms", "mean"), "mean_ttft_ms", True),
+    # Not checked: the lab server's TTFT has a heavy tail (a few % of requests wait 10-20x the
+    # median), so a 96-request mean moves 20-60 % between rounds of the *same* tool (printed below).
+    ("TTFT mean ms", ("ttft_ms", "mean"), "mean_ttft_ms", False),
     ("TTFT p50 ms", ("ttft_ms", "p50"), "median_ttft_ms", True),
     ("TTFT p99 ms", ("ttft_ms", "p99"), "p99_ttft_ms", False),
     ("TPOT p50 ms", ("tpot_ms", "p50"), "median_tpot_ms", False),
@@ -163,6 +168,8 @@ def run_service_bench(args: argparse.Namespace, base_url: str, concurrency: int,
            "--output-len", str(args.output_len), "--json", str(out), "--label", "service.bench"]
     if args.no_server_metrics:
         cmd += ["--metrics-url", "none"]  # vllm bench does not poll /metrics; this makes the load identical
+    else:
+        cmd += ["--metrics-interval", str(args.metrics_interval)]
     run_tool(cmd, out_dir / f"service_bench_{tag}.log", args.run_timeout)
     return json.loads(out.read_text())["levels"][0]
 
@@ -244,10 +251,13 @@ def harness_cpu_line(ours_by_level: dict[int, list[dict[str, Any]]], target_pct:
 def spread_line(concurrency: int, ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> str:
     """Each tool's own round-to-round spread: the noise floor any ours/vllm ratio sits in."""
     parts = []
-    for name, runs in (("service.bench", ours), ("vllm bench", theirs)):
-        values = [float(run["output_throughput"]) for run in runs]
-        parts.append(f"{name} [{' '.join(f'{v:.0f}' for v in values)}] max/min {max(values) / min(values):.2f}")
-    return f"c={concurrency} output tok/s per round: " + "; ".join(parts)
+    for title, our_key, their_key in (("output tok/s", ("output_throughput",), "output_throughput"),
+                                      ("TTFT mean ms", ("ttft_ms", "mean"), "mean_ttft_ms")):
+        for name, values in (("service.bench", [lookup(run, our_key) for run in ours]),
+                             ("vllm bench", [float(run[their_key]) for run in theirs])):
+            parts.append(f"{title} {name} [{' '.join(f'{v:.0f}' for v in values)}] "
+                         f"max/min {max(values) / min(values):.2f}")
+    return f"c={concurrency} per round: " + "; ".join(parts)
 
 
 # ---------------------------------------------------------------- main
@@ -328,6 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=5, help="alternating runs per tool per level (median)")
     parser.add_argument("--no-server-metrics", action="store_true",
                         help="run service.bench without its /metrics sampler")
+    parser.add_argument("--metrics-interval", type=float, default=1.0,
+                        help="service.bench's /metrics sampling interval (s), as its default")
     parser.add_argument("--tolerance", type=float, default=0.10, help="max |ours/vllm - 1| for PASS")
     parser.add_argument("--cpu-target", type=float, default=25.0, help="harness %% of one core at 16 streams")
     parser.add_argument("--server-timeout", type=float, default=240.0, help="wait for /health (s)")

@@ -10,7 +10,8 @@ request produces exactly ``--output-len`` tokens, and reports per level:
 * request, output-token and total-token throughput; error count with the first error text.
 * output tokens from the final usage chunk (``stream_options.include_usage``), never from chunk counts.
 * vLLM ``/metrics`` samples: queue depth, KV-cache usage, preemptions (max/mean, counter delta).
-* optional NVML samples per GPU (SM utilization, memory used) from a thread every ~200 ms.
+* optional NVML samples per GPU from a thread every ~200 ms: SM utilization (GPM, Hopper and newer),
+  utilization.gpu (% of time a kernel ran) and memory used.
 * the harness's own CPU: getrusage(RUSAGE_SELF) CPU seconds per streamed token and % of one core.
 
 Random prompts are built from an English word list; when the server answers ``/tokenize`` each
@@ -45,7 +46,10 @@ import aiohttp
 EXIT_OK, EXIT_FAILED_REQUESTS, EXIT_USAGE_OR_UNREACHABLE = 0, 1, 2
 SCHEMA = "gptoss-bench/1"
 PERCENTILES = (50, 95, 99)
-METRICS_INTERVAL_S = 0.2
+# /metrics is rendered by the API server process that also streams every token: at 5 Hz it cost
+# the 2-core lab server ~20 % of its c=16 throughput (bench/compare_with_vllm_bench.py, with and
+# without the sampler). 1 Hz still sees queue depth and KV-cache usage move; preemptions are a counter.
+DEFAULT_METRICS_INTERVAL_S = 1.0
 NVML_INTERVAL_S = 0.2
 # Prometheus names as exported by vLLM 0.32 (vllm/v1/metrics/loggers.py); the counter gets `_total`.
 QUEUE_METRIC = "vllm:num_requests_waiting"
@@ -275,8 +279,9 @@ def first_present(values: dict[str, float], names: Iterable[str]) -> tuple[str, 
 class MetricsSampler:
     """Polls vLLM's /metrics while a level runs, in the same event loop (its CPU is counted)."""
 
-    def __init__(self, session: aiohttp.ClientSession, url: str | None) -> None:
-        self.session, self.url = session, url
+    def __init__(self, session: aiohttp.ClientSession, url: str | None,
+                 interval_s: float = DEFAULT_METRICS_INTERVAL_S) -> None:
+        self.session, self.url, self.interval_s = session, url, interval_s
         self.samples: list[dict[str, float]] = []
         self.error = ""
         self._task: asyncio.Task | None = None
@@ -290,7 +295,7 @@ class MetricsSampler:
                     self.samples.append(parse_prometheus(await resp.text(), SAMPLED_PREFIXES))
             except (TimeoutError, aiohttp.ClientError) as exc:
                 self.error = self.error or f"{type(exc).__name__}: {exc}"[:200]
-            await asyncio.sleep(METRICS_INTERVAL_S)
+            await asyncio.sleep(self.interval_s)
 
     def start(self) -> None:
         if self.url:
@@ -322,16 +327,68 @@ class MetricsSampler:
         return out
 
 
+class GpmSmUtil:
+    """True SM utilization (% of SMs busy) from NVML's GPU Performance Monitoring, between two
+    samples of one GPU. GPM exists on Hopper and newer only; elsewhere (Ada: the 4090D) `supported`
+    is False and only NVML's utilization.gpu is reported, which is the % of time *any* kernel ran,
+    an upper bound of SM utilization."""
+
+    def __init__(self, nvml: Any, handle: Any) -> None:
+        self.nvml, self.handle, self.supported, self.reason = nvml, handle, False, ""
+        self._samples: list[Any] = []
+        self._have_previous = False
+        try:
+            if not nvml.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice:
+                self.reason = "GPM not supported by this GPU (Hopper or newer)"
+                return
+            self._samples = [nvml.nvmlGpmSampleAlloc(), nvml.nvmlGpmSampleAlloc()]
+        except Exception as exc:  # old driver/NVML without GPM: NVMLError_FunctionNotFound etc.
+            self.reason = f"GPM unavailable ({type(exc).__name__})"
+            return
+        self.supported = True
+
+    def sample(self) -> float | None:
+        """SM % since the previous call (None on the first call or when unsupported)."""
+        if not self.supported:
+            return None
+        previous, current = self._samples
+        self.nvml.nvmlGpmSampleGet(self.handle, current)
+        value = None
+        if self._have_previous:
+            request = self.nvml.c_nvmlGpmMetricsGet_t()
+            request.version = self.nvml.NVML_GPM_METRICS_GET_VERSION
+            request.numMetrics = 1
+            request.sample1, request.sample2 = previous, current
+            request.metrics[0].metricId = self.nvml.NVML_GPM_METRIC_SM_UTIL
+            self.nvml.nvmlGpmMetricsGet(request)
+            if request.metrics[0].nvmlReturn == self.nvml.NVML_SUCCESS:
+                value = float(request.metrics[0].value)
+        self._samples = [current, previous]
+        self._have_previous = True
+        return value
+
+    def reset(self) -> None:
+        self._have_previous = False
+
+    def close(self) -> None:
+        for sample in self._samples:
+            self.nvml.nvmlGpmSampleFree(sample)
+        self._samples, self.supported = [], False
+
+
 class NvmlSampler:
-    """SM utilization and memory used per GPU, sampled from a thread (NVML calls block)."""
+    """Per GPU: SM utilization (GPM, where the GPU has it), NVML utilization.gpu and memory used,
+    sampled from a thread (NVML calls block)."""
 
     def __init__(self, enabled: bool) -> None:
         self.status = "off (--nvml not given)"
-        self.samples: list[list[tuple[int, int]]] = []  # per sample: (sm_util %, mem used bytes) per GPU
+        # per sample, per GPU: (utilization.gpu %, GPM SM % or None, memory used bytes)
+        self.samples: list[list[tuple[int, float | None, int]]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._nvml: Any = None
         self._handles: list[Any] = []
+        self._gpm: list[GpmSmUtil] = []
         if enabled:
             self._init()
 
@@ -349,13 +406,17 @@ class NvmlSampler:
             self.status = "no GPU: skipped (NVML reports 0 devices)"
             return
         self._nvml, self.status = pynvml, "ok"
+        self._gpm = [GpmSmUtil(pynvml, handle) for handle in self._handles]
 
     def _run(self) -> None:
+        for gpm in self._gpm:
+            gpm.reset()
+            gpm.sample()  # the baseline the first interval is measured from
         while not self._stop.wait(NVML_INTERVAL_S):
             row = []
-            for handle in self._handles:
+            for handle, gpm in zip(self._handles, self._gpm, strict=True):
                 util = self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu
-                row.append((int(util), int(self._nvml.nvmlDeviceGetMemoryInfo(handle).used)))
+                row.append((int(util), gpm.sample(), int(self._nvml.nvmlDeviceGetMemoryInfo(handle).used)))
             self.samples.append(row)
 
     def start(self) -> None:
@@ -374,15 +435,20 @@ class NvmlSampler:
         if self.status != "ok":
             return {"status": self.status}
         gpus = []
-        for idx in range(len(self._handles)):
+        for idx, gpm in enumerate(self._gpm):
             utils = [row[idx][0] for row in self.samples]
-            mems = [row[idx][1] for row in self.samples]
-            gpus.append({
+            sms = [row[idx][1] for row in self.samples if row[idx][1] is not None]
+            mems = [row[idx][2] for row in self.samples]
+            gpu: dict[str, Any] = {
                 "index": idx,
-                "sm_util_pct": {"max": max(utils, default=0),
-                                "mean": sum(utils) / len(utils) if utils else 0.0},
+                "gpu_util_pct": {"max": max(utils, default=0), "mean": sum(utils) / len(utils) if utils else 0.0},
                 "mem_used_mib": {"max": max(mems, default=0) / 2**20},
-            })
+            }
+            if sms:
+                gpu["sm_util_pct"] = {"source": "GPM SM_UTIL", "max": max(sms), "mean": sum(sms) / len(sms)}
+            else:
+                gpu["sm_util_pct"] = {"source": "unavailable", "reason": gpm.reason or "no GPM samples"}
+            gpus.append(gpu)
         return {"status": "ok", "samples": len(self.samples), "gpus": gpus}
 
 
@@ -472,8 +538,9 @@ async def send_level(
 async def run_level(
     spec: LevelSpec, prompts: list[str], send: Callable[[str], Any], session: aiohttp.ClientSession,
     metrics_url: str | None, nvml: NvmlSampler, seed: int, deadline: float,
+    metrics_interval_s: float = DEFAULT_METRICS_INTERVAL_S,
 ) -> dict[str, Any]:
-    sampler = MetricsSampler(session, metrics_url)
+    sampler = MetricsSampler(session, metrics_url, metrics_interval_s)
     sampler.start()
     nvml.start()
     cpu0, wall0 = cpu_seconds(), time.perf_counter()
@@ -543,7 +610,8 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             start = args.warmup + i * args.num_prompts
             # Fresh prompts per level so prefix caching never serves one level from another's work.
             prompts = prompt_set.prompts[start : start + args.num_prompts]
-            level = await run_level(spec, prompts, send, session, args.metrics_url, nvml, args.seed, deadline)
+            level = await run_level(spec, prompts, send, session, args.metrics_url, nvml, args.seed, deadline,
+                                    args.metrics_interval)
             levels.append(level)
             if time.monotonic() >= deadline:
                 break
@@ -564,6 +632,7 @@ def build_report(args: argparse.Namespace, prompt_set: PromptSet, prompt_cpu: fl
             "base_url": args.base_url, "model": args.model, "input_len": args.input_len,
             "output_len": args.output_len, "num_prompts": args.num_prompts, "seed": args.seed,
             "warmup": args.warmup, "prompts_file": args.prompts_file, "metrics_url": args.metrics_url,
+            "metrics_interval_s": args.metrics_interval,
         },
         "prompts": {
             "source": prompt_set.source,
@@ -642,7 +711,8 @@ def side_row(lvl: dict[str, Any]) -> list[str]:
     queue, kv = sm.get("queue_depth", {}), sm.get("kv_cache_usage_perc", {})
     nvml = lvl["nvml"]
     gpu = nvml["status"] if nvml["status"] != "ok" else " ".join(
-        f"gpu{g['index']}:{g['sm_util_pct']['mean']:.0f}%/{g['mem_used_mib']['max']:.0f}MiB"
+        f"gpu{g['index']}:" + (f"SM {g['sm_util_pct']['mean']:.0f}% " if "mean" in g["sm_util_pct"] else "")
+        + f"busy {g['gpu_util_pct']['mean']:.0f}%/{g['mem_used_mib']['max']:.0f}MiB"
         for g in nvml["gpus"])
     return [lvl["label"], fmt(queue.get("max"), 0), fmt(queue.get("mean")), fmt(kv.get("max"), 3),
             fmt(kv.get("mean"), 3), fmt(sm.get("preemptions", {}).get("delta"), 0),
@@ -790,7 +860,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plot", metavar="OUT.png", help="latency and throughput vs load")
     parser.add_argument("--metrics-url",
                         help="vLLM Prometheus endpoint (default BASE/metrics; 'none' disables)")
-    parser.add_argument("--nvml", action="store_true", help="sample GPU SM utilization and memory via NVML")
+    parser.add_argument("--metrics-interval", type=float, default=DEFAULT_METRICS_INTERVAL_S, metavar="S",
+                        help="seconds between /metrics samples; each one costs the server's API process CPU "
+                             "(default %(default)s)")
+    parser.add_argument("--nvml", action="store_true",
+                        help="sample GPU SM utilization (NVML GPM, Hopper+), NVML utilization.gpu and memory")
     parser.add_argument("--timeout", type=float, default=1800.0,
                         help="overall limit for all levels (s) (default %(default)s)")
     parser.add_argument("--request-timeout", type=float, default=600.0,
@@ -804,7 +878,7 @@ def validate(args: argparse.Namespace) -> None:
     args.base_url = args.base_url.rstrip("/").removesuffix("/v1")
     if not args.base_url.startswith(("http://", "https://")):
         raise UsageError(f"--base-url {args.base_url!r}: expected http:// or https://")
-    for name in ("num_prompts", "input_len", "output_len", "timeout", "request_timeout"):
+    for name in ("num_prompts", "input_len", "output_len", "timeout", "request_timeout", "metrics_interval"):
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be > 0")
     if args.warmup < 0:

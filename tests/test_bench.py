@@ -95,8 +95,9 @@ def sweep(url: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def sweep_result(server: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, str]:
     out_dir = tmp_path_factory.mktemp("sweep")
+    # 5 Hz /metrics (default 1 Hz) so even the short levels here get several samples.
     proc = sweep(server, out_dir / "default.json", "--plot", out_dir / "sweep.png", "--label", "default",
-                 "--nvml")
+                 "--nvml", "--metrics-interval", "0.2")
     assert proc.returncode == 0, proc.stderr + proc.stdout
     return json.loads((out_dir / "default.json").read_text()), out_dir, proc.stdout
 
