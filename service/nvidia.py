@@ -35,6 +35,7 @@ CUDA_TOOLKIT_DRIVER: dict[tuple[int, int], str] = {
     (12, 8): "570.26",
     (12, 9): "575.51.03",
     (13, 0): "580.65.06",
+    (13, 1): "590.44.01",
 }
 
 # nvmlGpuP2PStatus_t values (nvml.h); 0 means the pair can do P2P reads.
@@ -107,7 +108,7 @@ def minimum_driver_for_cuda(cuda_version: str) -> str:
     if min(CUDA_TOOLKIT_DRIVER) < key < max(CUDA_TOOLKIT_DRIVER):
         # A gap in the table (there was no CUDA 12.7): the next release's floor is the safe answer.
         return CUDA_TOOLKIT_DRIVER[min(k for k in CUDA_TOOLKIT_DRIVER if k > key)]
-    raise ValueError(f"CUDA {cuda_version} is not in the driver table (known: 12.0 .. 13.0)")
+    raise ValueError(f"CUDA {cuda_version} is not in the driver table (known: 12.0 .. 13.1)")
 
 
 def cuda_driver_version_text(value: int) -> str:

@@ -67,14 +67,15 @@ def test_proc_version_proprietary_module_and_garbage():
 
 
 @pytest.mark.parametrize(("cuda", "driver"), [("12.0", "525.60.13"), ("12.2", "535.54.03"), ("12.7", "570.26"),
-                                              ("12.8", "570.26"), ("12.9", "575.51.03"), ("13.0", "580.65.06")])
+                                              ("12.8", "570.26"), ("12.9", "575.51.03"), ("13.0", "580.65.06"),
+                                              ("13.1", "590.44.01")])
 def test_minimum_driver_for_cuda(cuda, driver):
     assert nvidia.minimum_driver_for_cuda(cuda) == driver
 
 
 def test_minimum_driver_for_unknown_cuda_refuses_to_guess():
     with pytest.raises(ValueError, match="not in the driver table"):
-        nvidia.minimum_driver_for_cuda("13.1")
+        nvidia.minimum_driver_for_cuda("13.2")
     with pytest.raises(ValueError):
         nvidia.minimum_driver_for_cuda("11.8")
 
