@@ -330,12 +330,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON,
                         help="python of the venv that has vllm (server and vllm bench serve)")
     parser.add_argument("--concurrency", default="1,16", help="levels, comma separated")
-    parser.add_argument("--num-prompts", type=int, default=96, help="requests per level per tool")
+    parser.add_argument("--num-prompts", type=int, default=128, help="requests per level per tool")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=4, help="warmup requests per run, both tools")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rounds", type=int, default=5, help="alternating runs per tool per level (median)")
+    parser.add_argument("--rounds", type=int, default=7, help="alternating runs per tool per level (median)")
     parser.add_argument("--no-server-metrics", action="store_true",
                         help="run service.bench without its /metrics sampler")
     parser.add_argument("--metrics-interval", type=float, default=1.0,
