@@ -474,6 +474,8 @@ def run_validation(args: argparse.Namespace, argv: list[str]) -> tuple[list[Flag
     errors = validate(argv, args.model, full=False)
     if args.env_json:
         errors += check_environment(json.loads(Path(args.env_json).read_text()))
+    if args.env_names:  # names only: values may be secrets and are never needed for this check
+        errors += check_environment(dict.fromkeys(name.strip() for name in args.env_names.split(",") if name.strip()))
     if errors:
         return errors, {}
     level, reason = "parse-only", "--parse-only given" if args.parse_only else None
@@ -536,6 +538,8 @@ def build_cli() -> argparse.ArgumentParser:
     validate_cli.add_argument("--out", help="write the result JSON here (atomically); stdout otherwise")
     validate_cli.add_argument("--parse-only", action="store_true", help="skip engine-config validation")
     validate_cli.add_argument("--env-json", help="JSON object of the unit's extra environment to check")
+    validate_cli.add_argument("--env-names", metavar="NAME,NAME",
+                              help="the unit's extra environment variable names to check (values not needed)")
     return cli
 
 

@@ -16,6 +16,10 @@ BAD_INPUTS = {
                            "--kv-cache-dtype: invalid value 'fp16'"),
     "unknown vLLM flag": ("playbooks/vllm.yml", {"vllm_service_flags_override": {"scheduler-policy": "laxfan"}},
                           "did you mean --scheduling-policy"),
+    "ignored vLLM env var": ("playbooks/vllm.yml",
+                             {"vllm_service_env_override": {"VLLM_ATTENTION_BACKEND": "TRITON_ATTN"}},
+                             "VLLM_ATTENTION_BACKEND: unknown vLLM environment variable, vLLM ignores it (use the "
+                             "--attention-backend flag)"),
     "model path missing": ("playbooks/vllm.yml", {"vllm_service_model_dir": "/models/nope"},
                            "/models/nope/config.json does not exist"),
     "xfs + nobarrier": ("playbooks/host.yml", {"model_mount_fstype": "xfs"}, "refusing nobarrier on xfs"),

@@ -295,3 +295,18 @@ def test_misspelt_flags_types_backends_and_ignored_env_vars_are_rejected(api_res
         "(use the --attention-backend flag)"
     )
     assert env_typo.endswith("(did you mean VLLM_CPU_KVCACHE_SPACE?)")
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_env_names_alone_are_checked(tmp_path, tiny_model):
+    """What the role passes: only the names of the unit's environment (values may be secrets)."""
+    out = tmp_path / "args.json"
+    result = run_validator(tmp_path, {"max-model-len": 256}, tiny_model, "--parse-only", "--out", str(out),
+                           "--env-names", "HF_HUB_OFFLINE,VLLM_CPU_KVCACHE_SPACE,VLLM_ATTENTION_BACKEND")
+    lines = assert_fails_without_output(result, out, None)
+    assert lines == ["VLLM_ATTENTION_BACKEND: unknown vLLM environment variable, vLLM ignores it "
+                     "(use the --attention-backend flag)"]
+    ok = run_validator(tmp_path, {"max-model-len": 256}, tiny_model, "--parse-only",
+                       "--env-names", "HF_HUB_OFFLINE,VLLM_CPU_KVCACHE_SPACE")
+    assert ok.returncode == 0, ok.stderr
