@@ -1,6 +1,8 @@
 """Benchmark service.convert on a generated >= 2 GB sharded .bin checkpoint.
 
     python bench/bench_convert.py [--dir DIR] [--shards 4] [--shard-mb 512] [--repeat 3] [--keep] [--json]
+    python bench/bench_convert.py --shards 8 --shard-mb 1024   # 8.6 GB: past the page cache's dirty
+                                                               # limit, as a real 13-40 GB model is
 
 Reports, in one run and side by side:
   (a) converter throughput / plain `cp` throughput of the same bytes        (target >= 0.7)
