@@ -254,9 +254,10 @@ def _libc() -> ctypes.CDLL | None:
 
 
 _LIBC = _libc()
-if _LIBC is not None and hasattr(_LIBC, "memcmp"):
-    _LIBC.memcmp.restype = ctypes.c_int
-    _LIBC.memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+_MEMCMP = getattr(_LIBC, "memcmp", None)
+if _MEMCMP is not None:
+    _MEMCMP.restype = ctypes.c_int
+    _MEMCMP.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
 
 
 def bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -265,16 +266,16 @@ def bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     bounds the converter's speed; torch.equal is the fallback without a usable libc."""
     if a.numel() != b.numel():
         return False
-    if _LIBC is None or not hasattr(_LIBC, "memcmp") or a.numel() == 0:
+    if _MEMCMP is None or a.numel() == 0:
         return torch.equal(a, b)
-    return _LIBC.memcmp(a.data_ptr(), b.data_ptr(), a.numel()) == 0
+    return _MEMCMP(a.data_ptr(), b.data_ptr(), a.numel()) == 0
 
 
-def _release_source_pages(address: int, length: int) -> None:
-    """Drop already-processed pages of a read-only file mapping from our RSS (the page cache keeps
-    them), so peak memory stays near one chunk instead of one shard. Only whole pages strictly
-    inside the range are dropped; only called for clean mmap-backed source tensors, where a later
-    access simply faults the page back in from the file."""
+def _release_pages(address: int, length: int) -> None:
+    """Drop already-processed pages of a file mapping from our RSS (the page cache keeps them), so
+    peak memory stays near one chunk instead of one shard. Only whole pages strictly inside the
+    range are dropped; only called for clean pages (mmap-backed source tensors, our unwritten
+    private mapping of the output), where a later access simply faults the page back in."""
     if _LIBC is None or not hasattr(_LIBC, "madvise"):
         return
     start = -(-address // PAGE_SIZE) * PAGE_SIZE
@@ -466,8 +467,7 @@ def _chunks(total: int, size: int) -> Iterator[tuple[int, int]]:
 
 def write_shard_file(path: Path, plan: ShardPlan, metadata: dict[str, str], progress: Progress,
                      stop_event: str, abort: threading.Event | None = None) -> None:
-    """Write header + raw tensor bytes (no fsync yet: publish_shard does that after verifying, on
-    the verifier thread).
+    """Write header + raw tensor bytes (no fsync yet: publish_shard does that after verifying).
 
     Tensors that lie as-is in a mapped source file are copied file to file inside the kernel
     (copy_file_range, as cp does): no page faults on the source mapping and no copy through our
@@ -522,7 +522,7 @@ def _write_from_memory(fd: int, tensor: torch.Tensor, mmap_backed: bool, progres
     for start, length in _chunks(len(view), WRITE_CHUNK):
         _write_all(fd, view[start : start + length])
         if in_place and mmap_backed:
-            _release_source_pages(flat.data_ptr() + start, length)
+            _release_pages(flat.data_ptr() + start, length)
         progress.advance(length, label)
         _stop_point(stop_event)
         _check_abort(abort)
@@ -597,14 +597,14 @@ def verify_shard_file(path: Path, plan: ShardPlan, source: Path, progress: Progr
         try:
             for entry in sorted(header.tensors.values(), key=lambda e: e.begin):
                 _compare_tensor(path, source, entry, expected[entry.name], on_disk, header.data_start, plan,
-                                progress, label, mapped)
+                                progress, label)
         finally:
             del on_disk  # the mapping cannot close while a tensor still exports it
     return header
 
 
 def _compare_tensor(path: Path, source: Path, entry: TensorEntry, tensor: torch.Tensor, on_disk: torch.Tensor,
-                    data_start: int, plan: ShardPlan, progress: Progress, label: str, mapped: mmap.mmap) -> None:
+                    data_start: int, plan: ShardPlan, progress: Progress, label: str) -> None:
     if entry.dtype != TORCH_TO_SAFETENSORS[tensor.dtype] or entry.shape != list(tensor.shape):
         raise ConversionError(f"{path}: tensor {entry.name!r} is {entry.dtype} {entry.shape}, "
                               f"source has {tensor.dtype} {list(tensor.shape)}")
@@ -614,17 +614,9 @@ def _compare_tensor(path: Path, source: Path, entry: TensorEntry, tensor: torch.
         if not bytes_equal(flat[start : start + length], on_disk[base + start : base + start + length]):
             raise ConversionError(f"{path}: tensor {entry.name!r} differs from {source.name} near byte {start}")
         if in_place and plan.mmap_backed:
-            _release_source_pages(flat.data_ptr() + start, length)
-        _release_mapped_pages(mapped, base + start, length)
+            _release_pages(flat.data_ptr() + start, length)
+        _release_pages(on_disk.data_ptr() + base + start, length)
         progress.advance(length, label)
-
-
-def _release_mapped_pages(mapped: mmap.mmap, offset: int, length: int) -> None:
-    """Drop compared pages of our read-only private mapping of the output (clean file pages)."""
-    start = -(-offset // PAGE_SIZE) * PAGE_SIZE
-    end = (offset + length) // PAGE_SIZE * PAGE_SIZE
-    if end > start and hasattr(mapped, "madvise"):
-        mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def _explain_os_error(exc: OSError, final: Path) -> ConversionError:
@@ -716,31 +708,29 @@ def convert_shards(model_dir: Path, shards: list[SourceShard], progress: Progres
 
     pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="shard")
     futures = [pool.submit(convert_one, number, shard) for number, shard in enumerate(shards, start=1)]
+    interrupted: BaseException | None = None
     try:
         wait(futures, return_when=FIRST_EXCEPTION)
-        outcomes = [future.result() for future in futures]  # raises the failure of the lowest shard
-    except BaseException:
+    except BaseException as exc:  # SIGTERM (SystemExit) or Ctrl-C while the jobs run
+        interrupted = exc
+    if interrupted is not None or any(future.done() and future.exception() for future in futures):
         abort.set()
         pool.shutdown(wait=True, cancel_futures=True)  # running jobs stop within one chunk
         remove_own_temp_files(model_dir)
-        raise _first_real_error(futures) from None
+        raise (_first_real_error(futures) or interrupted) from None
     pool.shutdown(wait=True)
+    outcomes = [future.result() for future in futures]
     written = [shard for shard, (_, was_written) in zip(shards, outcomes, strict=True) if was_written]
     return written, [aliases for aliases, _ in outcomes]
 
 
-def _first_real_error(futures: list[Future]) -> BaseException:
-    """The error that stopped the run: the first failure in shard order that is not another job
-    being aborted because of it (or the signal/exception that interrupted the wait)."""
-    current = sys.exc_info()[1]
-    if not isinstance(current, _Aborted) and not all(f.done() for f in futures):
-        return current  # e.g. SystemExit from SIGTERM while waiting
+def _first_real_error(futures: list[Future]) -> BaseException | None:
+    """The failure that stopped the run, first in shard order; jobs that merely stopped because of
+    it (_Aborted) do not count. All futures are done here: the pool has shut down."""
     for future in futures:
-        if future.done() and not future.cancelled():
-            error = future.exception()
-            if error is not None and not isinstance(error, _Aborted):
-                return error
-    return current
+        if not future.cancelled() and (error := future.exception()) is not None and not isinstance(error, _Aborted):
+            return error
+    return None
 
 
 def verify_existing_shard(shard: SourceShard, model_dir: Path, progress: Progress) -> dict[str, str] | None:
