@@ -10,8 +10,8 @@ would be served from the prefix cache the first one filled.
 
 Prints throughputs and TTFTs side by side with ratios (service.bench / vllm) and PASS/FAIL for
 "within --tolerance" on request, output-token and total-token throughput and median TTFT (the mean
-TTFT is shown unchecked: the lab server's TTFT tail moves a 96-request mean by 1.4-4x between rounds
-of one and the same tool, printed per round), plus the harness's own CPU at 16 streams (getrusage
+TTFT is shown unchecked: the lab server's TTFT tail moved a 128-request mean by 2.4-2.8x between
+rounds of one and the same tool, printed per round), plus the harness's own CPU at 16 streams (getrusage
 of the service.bench process, target < --cpu-target % of one core). service.bench samples /metrics
 at its default 1 Hz (--no-server-metrics turns that off). Exit 0 when every check passes, 1
 otherwise, 2 when a tool or the server could not run.
@@ -77,7 +77,7 @@ ROWS = (
     ("output tok/s", ("output_throughput",), "output_throughput", True),
     ("total tok/s", ("total_token_throughput",), "total_token_throughput", True),
     # Not checked: the lab server's TTFT has a heavy tail (a few % of requests wait 10-20x the
-    # median), so a 96-request mean moves 20-60 % between rounds of the *same* tool (printed below).
+    # median), so a 128-request mean moved 2.4-2.8x between rounds of the *same* tool (printed below).
     ("TTFT mean ms", ("ttft_ms", "mean"), "mean_ttft_ms", False),
     ("TTFT p50 ms", ("ttft_ms", "p50"), "median_ttft_ms", True),
     ("TTFT p99 ms", ("ttft_ms", "p99"), "p99_ttft_ms", False),

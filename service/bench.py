@@ -367,13 +367,10 @@ class GpmSmUtil:
         self._have_previous = True
         return value
 
-    def reset(self) -> None:
+    def baseline(self) -> None:
+        """Take the sample the next interval is measured from (at the start of each level)."""
         self._have_previous = False
-
-    def close(self) -> None:
-        for sample in self._samples:
-            self.nvml.nvmlGpmSampleFree(sample)
-        self._samples, self.supported = [], False
+        self.sample()
 
 
 class NvmlSampler:
@@ -410,8 +407,7 @@ class NvmlSampler:
 
     def _run(self) -> None:
         for gpm in self._gpm:
-            gpm.reset()
-            gpm.sample()  # the baseline the first interval is measured from
+            gpm.baseline()
         while not self._stop.wait(NVML_INTERVAL_S):
             row = []
             for handle, gpm in zip(self._handles, self._gpm, strict=True):
