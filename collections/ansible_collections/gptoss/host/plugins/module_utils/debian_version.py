@@ -16,7 +16,7 @@ def split_version(version: str) -> tuple[int, str, str]:
     """(epoch, upstream, revision) of a Debian version; a missing epoch is 0, a missing revision ''."""
     text = version.strip()
     match = _VALID.match(text)
-    if not match:
+    if not match or text.endswith("-"):  # a hyphen promises a revision (dpkg: "revision number is empty")
         raise ValueError(f"not a Debian version: {version!r}")
     epoch, upstream, revision = match.groups()
     if ":" in upstream and epoch is None:
