@@ -26,6 +26,8 @@ SOURCE_FILE = "/etc/apt/sources.list.d/gptoss-nvidia-cuda.sources"
 PIN_FILE = "/etc/apt/preferences.d/gptoss-nvidia-driver.pref"
 KEYRING = "/etc/apt/keyrings/gptoss-nvidia-cuda.asc"
 ROLE_FILES = [SOURCE_FILE, PIN_FILE, KEYRING]
+# The Debian archive's driver branch per release (bookworm 535, trixie 550): both below R580.
+ARCHIVE_DRIVER_BRANCH = {"12": "535", "13": "550"}
 # dpkg's state: the status database, every package's version and selection, and the holds.
 DPKG_STATE = ("sha256sum /var/lib/dpkg/status; dpkg-query -W -f='${Package} ${Version} ${Status}\\n' | sha256sum; "
               "apt-mark showhold")
@@ -61,7 +63,9 @@ def test_archive_driver_is_refused_before_anything_is_installed(apt_restored: La
     assert "GPU-presence test skipped" in result.output
     # The archive's real candidate, read the same way apt would install it.
     candidate = re.search(r"Candidate: (\S+)", lab.sh("LC_ALL=C apt-cache policy nvidia-driver")).group(1)
-    assert candidate.startswith("535."), f"bookworm's archive driver is the 535 branch, apt says {candidate}"
+    release = lab.sh(". /etc/os-release && echo $VERSION_ID").strip()
+    archive_branch = ARCHIVE_DRIVER_BRANCH[release]
+    assert candidate.startswith(archive_branch + "."), f"Debian {release}'s driver is {archive_branch}: {candidate}"
     assert f"nvidia-driver: apt's candidate is {candidate}" in result.output
     assert f"below {required}" in result.output and "nothing was installed" in result.output
     assert "Fix: the Debian archive has no driver at or above" in result.output
