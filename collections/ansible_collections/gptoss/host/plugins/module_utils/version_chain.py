@@ -552,3 +552,44 @@ def derive_with_available_pip(package: str, version: str, *, system_python: str,
         return {**chain, "pip": f"{line} (throwaway venv)"}
     finally:
         shutil.rmtree(parent, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ what the driver role must provide
+
+
+def driver_requirement(chain: dict[str, Any] | None, cuda_setting: str = "auto", branch_setting: str = "auto",
+                       floor: str = "535") -> dict[str, Any]:
+    """The driver a host needs for `chain`, with the user's explicit settings honoured when not lower.
+
+    cuda_setting / branch_setting: "auto" (derive) or an explicit "X.Y" / "NNN"; an explicit value below
+    what the build needs raises ChainError (the role then stops before changing anything). chain None
+    (not derivable yet, check mode on a fresh host): only explicit settings and the floor count.
+    Returns {required_cuda, required_driver, required_branch, build_cuda, build_min_driver}."""
+    build_cuda = chain.get("cuda_version") if chain else None
+    build_min = chain.get("min_driver") if chain else None
+    what = f"{chain['package']} {chain['version']} (torch {chain['torch_version']})" if chain else ""
+    cuda = build_cuda
+    if cuda_setting != "auto":
+        if not re.fullmatch(r"\d+\.\d+", cuda_setting):
+            raise ChainError(f"nvidia_driver_cuda_version must be auto or X.Y, got {cuda_setting!r}")
+        if build_cuda and version_tuple(cuda_setting) < version_tuple(build_cuda):
+            raise ChainError(f"nvidia_driver_cuda_version {cuda_setting} is below CUDA {build_cuda}, which {what} "
+                             f"is built for (it needs driver >= {build_min}); set it to auto or >= {build_cuda}")
+        cuda = cuda_setting
+    try:
+        required = minimum_driver_for_cuda(cuda) if cuda else None
+    except ValueError as err:
+        raise ChainError(str(err)) from err
+    if required is None or version_tuple(floor) > version_tuple(required):
+        required = floor
+    branch = driver_branch(required)
+    if branch_setting != "auto":
+        if not re.fullmatch(r"\d+", branch_setting):
+            raise ChainError(f"nvidia_driver_branch must be auto or a branch number, got {branch_setting!r}")
+        if int(branch_setting) < int(branch):
+            raise ChainError(f"nvidia_driver_branch {branch_setting} is below {branch}, the branch of driver "
+                             f"{required} that CUDA {cuda or '(none)'} needs{' for ' + what if what else ''}; "
+                             "set it to auto or higher")
+        branch = branch_setting
+    return {"required_cuda": cuda, "required_driver": required, "required_branch": branch,
+            "build_cuda": build_cuda, "build_min_driver": build_min}

@@ -46,6 +46,15 @@ options:
     type: bool
     default: false
   cache_dir: {description: Where derived answers are kept., type: path, default: /var/cache/gptoss}
+  cuda_version:
+    description: "auto, or an explicit CUDA X.Y to provide for; refused (task fails) when below the build's."
+    type: str
+    default: auto
+  driver_branch:
+    description: "auto (the branch of the required driver), or an explicit branch; refused when below it."
+    type: str
+    default: auto
+  floor: {description: The project's absolute driver floor., type: str, default: "535"}
   timeout: {description: Seconds per pip run., type: int, default: 1800}
 author: gptoss-host
 """
@@ -59,23 +68,27 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
-package: {description: The vLLM distribution., type: str, returned: always}
-version: {description: Its version (installed or pinned)., type: str, returned: always}
-torch_version: {description: "torch it brings, e.g. 2.13.0 or 2.13.0+cpu.", type: str, returned: always}
+package: {description: The vLLM distribution., type: str, returned: when derived}
+version: {description: Its version (installed or pinned)., type: str, returned: when derived}
+torch_version: {description: "torch it brings, e.g. 2.13.0 or 2.13.0+cpu.", type: str, returned: when derived}
 torch_requirement:
   description: "vLLM's torch requirement on this platform, e.g. torch==2.13.0."
   type: str
   returned: when derived_from is source-metadata
-cuda_version: {description: "CUDA X.Y of that torch build; null for a CPU build.", type: str, returned: always}
+cuda_version: {description: "CUDA X.Y of that torch build; null for a CPU build.", type: str, returned: when derived}
 min_driver:
   description: "Minimum driver for that CUDA (NVIDIA's toolkit table); null for a CPU build."
   type: str
-  returned: always
-min_driver_branch: {description: "Its branch, e.g. 580; null for a CPU build.", type: str, returned: always}
-derived_from: {description: venv or source-metadata., type: str, returned: always}
-cached: {description: The source-metadata answer came from the cache., type: bool, returned: always}
+  returned: when derived
+min_driver_branch: {description: "Its branch, e.g. 580; null for a CPU build.", type: str, returned: when derived}
+derived_from: {description: venv or source-metadata., type: str, returned: when derived}
+cached: {description: The source-metadata answer came from the cache., type: bool, returned: when derived}
 pip: {description: Which pip read the metadata., type: str, returned: when derived_from is source-metadata}
 seconds: {description: Time this task took., type: float, returned: always}
+derived: {description: "False only in check mode on a host with no pip yet.", type: bool, returned: always}
+required_cuda: {description: The CUDA to provide for (explicit or the build's)., type: str, returned: always}
+required_driver: {description: "The table's driver for required_cuda, at least the floor.", type: str, returned: always}
+required_branch: {description: Branch to install (explicit or required_driver's)., type: str, returned: always}
 """
 
 import json
@@ -89,7 +102,9 @@ from ansible_collections.gptoss.host.plugins.module_utils.version_chain import (
     cache_key,
     derive_from_venv,
     derive_with_available_pip,
+    driver_requirement,
     pip_env,
+    pip_works,
     source_args,
 )
 
@@ -139,28 +154,50 @@ def main() -> None:
     p = module.params
     started = time.monotonic()
     try:
-        chain = derive_from_venv(p["venv"], p["package"], p["version"])
-        if chain is not None:
-            module.exit_json(changed=False, cached=False, seconds=round(time.monotonic() - started, 2), **chain)
-        if p["source"] == "wheelhouse" and not os.path.isdir(p["wheelhouse_dir"] or ""):
-            module.fail_json(msg=f"vllm_build: wheelhouse {p['wheelhouse_dir'] or '(unset)'} is not a folder "
-                             "on this host")
-        args = source_args(p["source"], p["index_url"], p["extra_index_url"], p["wheelhouse_dir"] or "")
-        env = pip_env(p["pip_isolated"])
-        key = cache_key(p["package"], p["version"], args, env, p["system_python"], p["wheelhouse_dir"] or "")
-        cache_file = os.path.join(p["cache_dir"], "vllm-build.json")
-        cached = read_cache(cache_file, key)
-        if cached is not None:
-            module.exit_json(changed=False, cached=True, seconds=round(time.monotonic() - started, 2), **cached)
-        chain = derive_with_available_pip(p["package"], p["version"], system_python=p["system_python"], args=args,
-                                          env=env, pip_python=p["pip_python"] or "",
-                                          candidates=(os.path.join(p["venv"], "bin", "python"),), timeout=p["timeout"])
-        if not module.check_mode:
-            write_cache(cache_file, key, chain)
+        chain = derive(module)
+        if chain is None:
+            result = {"derived": False, "reason": "check mode: no pip on this host yet (python3-venv is installed by "
+                                                  "the real run), so the build is derived then"}
+        else:
+            result = {"derived": True, **chain}
+        result.update(driver_requirement(chain, p["cuda_version"], p["driver_branch"], p["floor"]))
     except ChainError as err:
-        module.fail_json(msg=f"vllm_build: {p['package']}=={p['version']}: {err}")
-    module.exit_json(changed=False, cached=False, seconds=round(time.monotonic() - started, 2), **chain)
+        module.fail_json(msg=f"vllm_build: {p['package']}=={p['version']}: {err}; nothing was changed")
+    module.exit_json(changed=False, seconds=round(time.monotonic() - started, 2), **result)
 
+
+def derive(module: AnsibleModule) -> dict | None:
+    """The chain from the venv, the cache or pip; None only in check mode on a host without any pip."""
+    p = module.params
+    chain = derive_from_venv(p["venv"], p["package"], p["version"])
+    if chain is not None:
+        return {**chain, "cached": False}
+    if p["source"] == "wheelhouse" and not os.path.isdir(p["wheelhouse_dir"] or ""):
+        raise ChainError(f"wheelhouse {p['wheelhouse_dir'] or '(unset)'} is not a folder on this host")
+    args = source_args(p["source"], p["index_url"], p["extra_index_url"], p["wheelhouse_dir"] or "")
+    env = pip_env(p["pip_isolated"])
+    key = cache_key(p["package"], p["version"], args, env, p["system_python"], p["wheelhouse_dir"] or "")
+    cache_file = os.path.join(p["cache_dir"], "vllm-build.json")
+    cached = read_cache(cache_file, key)
+    if cached is not None:
+        return {**cached, "cached": True}
+    venv_python = os.path.join(p["venv"], "bin", "python")
+    if module.check_mode and not p["pip_python"] and not any(
+            os.path.exists(py) and pip_works(py, env) for py in (venv_python, p["system_python"])) \
+            and not has_ensurepip(module, p["system_python"]):
+        return None
+    chain = derive_with_available_pip(p["package"], p["version"], system_python=p["system_python"], args=args,
+                                      env=env, pip_python=p["pip_python"] or "", candidates=(venv_python,),
+                                      timeout=p["timeout"])
+    if not module.check_mode:
+        write_cache(cache_file, key, chain)
+    return {**chain, "cached": False}
+
+
+def has_ensurepip(module: AnsibleModule, python: str) -> bool:
+    """Whether `python -m venv` can give a venv pip (Debian ships ensurepip in python3-venv)."""
+    code, _, _ = module.run_command([python, "-c", "import ensurepip, sys; sys.exit(0 if ensurepip.version() else 1)"])
+    return code == 0
 
 if __name__ == "__main__":
     main()
