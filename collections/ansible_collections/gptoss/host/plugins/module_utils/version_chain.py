@@ -587,9 +587,9 @@ def driver_requirement(chain: dict[str, Any] | None, cuda_setting: str = "auto",
         if not re.fullmatch(r"\d+", branch_setting):
             raise ChainError(f"nvidia_driver_branch must be auto or a branch number, got {branch_setting!r}")
         if int(branch_setting) < int(branch):
+            because = f"CUDA {cuda} needs" if cuda else "the project floor is"
             raise ChainError(f"nvidia_driver_branch {branch_setting} is below {branch}, the branch of driver "
-                             f"{required} that CUDA {cuda or '(none)'} needs{' for ' + what if what else ''}; "
-                             "set it to auto or higher")
+                             f"{required} that {because}{' for ' + what if what else ''}; set it to auto or higher")
         branch = branch_setting
     return {"required_cuda": cuda, "required_driver": required, "required_branch": branch,
             "build_cuda": build_cuda, "build_min_driver": build_min}

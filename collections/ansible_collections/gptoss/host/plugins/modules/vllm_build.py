@@ -148,6 +148,9 @@ def main() -> None:
             "pip_isolated": {"type": "bool", "default": False},
             "cache_dir": {"type": "path", "default": "/var/cache/gptoss"},
             "timeout": {"type": "int", "default": 1800},
+            "cuda_version": {"type": "str", "default": "auto"},
+            "driver_branch": {"type": "str", "default": "auto"},
+            "floor": {"type": "str", "default": "535"},
         },
         supports_check_mode=True,
     )
