@@ -19,6 +19,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from ansible_collections.gptoss.host.plugins.module_utils import version_chain
+
 from service import nvidia
 
 STATUSES = ("pass", "fail", "skip", "error")
@@ -246,35 +248,48 @@ def check_driver_floor(ctx: Context) -> CheckResult:
     version, note = _driver_version(ctx)
     if version is None:
         return _no_gpu(ctx, cid, title, note, f">= {floor}")
-    ok = nvidia.version_tuple(version) >= nvidia.version_tuple(floor)
+    ok = version_chain.version_tuple(version) >= version_chain.version_tuple(floor)
     return CheckResult(cid, title, "pass" if ok else "fail", f">= {floor}", version,
                        note if ok else f"driver {version} is older than the floor {floor}")
 
 
 def check_driver_for_cuda(ctx: Context) -> CheckResult:
+    """The CUDA of the torch really installed in the service's venv against the running driver.
+
+    Read from the venv's torch/version.py (what `torch.version.cuda` returns), never from the inventory."""
     cid, title = "DRV-002", "Driver supports the CUDA build"
-    cuda = ctx.role("nvidia_driver").get("cuda_version")
-    if not cuda:
-        return CheckResult(cid, title, "skip", "", "", "nvidia_driver.json has no cuda_version")
+    venv = ctx.role("nvidia_driver").get("vllm_venv")
+    if not venv:
+        return CheckResult(cid, title, "skip", "", "", "nvidia_driver.json names no vllm_venv")
     try:
-        needed = nvidia.minimum_driver_for_cuda(str(cuda))
+        torch = version_chain.installed_torch(str(venv))
+    except (OSError, SyntaxError, ValueError, version_chain.ChainError) as err:
+        return CheckResult(cid, title, "error", "", "", f"torch in {venv}: {err}")
+    if torch is None:
+        return CheckResult(cid, title, "skip", "", "", f"no torch installed in {venv} (vllm_service not applied yet?)")
+    build = f"torch {torch['torch_version']}"
+    cuda = torch["cuda_version"]
+    if not cuda:
+        return CheckResult(cid, title, "skip", "", build, f"{build} is a CPU build: it needs no NVIDIA driver")
+    try:
+        needed = version_chain.minimum_driver_for_cuda(cuda)
     except ValueError as err:
-        return CheckResult(cid, title, "error", f"CUDA {cuda}", "", str(err))
-    expected = f"driver >= {needed}, NVML CUDA >= {cuda}"
+        return CheckResult(cid, title, "error", f"CUDA {cuda}", build, str(err))
+    expected = f"driver >= {needed}, NVML CUDA >= {cuda} ({build}, CUDA {cuda})"
     version, note = _driver_version(ctx)
     if version is None:
         return _no_gpu(ctx, cid, title, note, expected)
     problems = []
-    if nvidia.version_tuple(version) < nvidia.version_tuple(needed):
-        problems.append(f"CUDA {cuda} needs driver >= {needed}, found {version}")
+    if version_chain.version_tuple(version) < version_chain.version_tuple(needed):
+        problems.append(f"{build} is a CUDA {cuda} build, which needs driver >= {needed}; found {version}")
     nvml_cuda = ctx.nvml.get("cuda_driver_version") if ctx.nvml.get("available") else None
     if isinstance(nvml_cuda, str) and nvml_cuda[:1].isdigit():
-        if nvidia.version_tuple(nvml_cuda) < nvidia.version_tuple(str(cuda)):
+        if version_chain.version_tuple(nvml_cuda) < version_chain.version_tuple(cuda):
             problems.append(f"the driver's CUDA API is {nvml_cuda}, older than the build's {cuda}")
         cuda_note = f"NVML CUDA {nvml_cuda}"
     else:
         cuda_note = f"NVML CUDA version not read ({ctx.nvml.get('reason') or nvml_cuda})"
-    found = f"driver {version}, {cuda_note}"
+    found = f"driver {version}, {cuda_note}; {build} from {torch['version_file']}"
     return CheckResult(cid, title, "fail" if problems else "pass", expected, found, "; ".join(problems))
 
 

@@ -14,29 +14,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ansible_collections.gptoss.host.plugins.module_utils import version_chain
+
 PROC_VERSION = Path("/proc/driver/nvidia/version")
 PROC_PARAMS = Path("/proc/driver/nvidia/params")
 # The project's absolute floor (R535 LTS); the CUDA build usually needs more.
 PROJECT_DRIVER_FLOOR = "535"
-
-# Minimum Linux x86_64 "Toolkit Driver Version" of each CUDA GA release, from NVIDIA's CUDA Toolkit
-# Release Notes, table "CUDA Toolkit and Corresponding Driver Versions"
-# (https://docs.nvidia.com/cuda/cuda-toolkit-release-notes/index.html). A build of CUDA X.Y needs at
-# least this driver for full support; CUDA 12.x minor-version compatibility would accept >= 525.60.13,
-# but PTX JIT and newer features then fail, so the verify contract uses the toolkit column.
-CUDA_TOOLKIT_DRIVER: dict[tuple[int, int], str] = {
-    (12, 0): "525.60.13",
-    (12, 1): "530.30.02",
-    (12, 2): "535.54.03",
-    (12, 3): "545.23.06",
-    (12, 4): "550.54.14",
-    (12, 5): "555.42.02",
-    (12, 6): "560.28.03",
-    (12, 8): "570.26",
-    (12, 9): "575.51.03",
-    (13, 0): "580.65.06",
-    (13, 1): "590.44.01",
-}
 
 # nvmlGpuP2PStatus_t values (nvml.h); 0 means the pair can do P2P reads.
 P2P_STATUS_NAMES = {
@@ -51,11 +34,6 @@ P2P_STATUS_NAMES = {
 UNSUPPORTED = "unsupported"
 
 _VERSION_RE = re.compile(r"NVRM version:\s*(?P<desc>.*?Kernel Module.*?)\s+(?P<ver>\d+\.\d+(?:\.\d+)?)\b")
-
-
-def version_tuple(version: str) -> tuple[int, ...]:
-    """'580.159.04' -> (580, 159, 4); raises ValueError on anything that is not dotted numbers."""
-    return tuple(int(part) for part in str(version).strip().split("."))
 
 
 def parse_proc_version(text: str) -> dict[str, str]:
@@ -94,21 +72,6 @@ def read_proc_driver(version_path: Path = PROC_VERSION, params_path: Path = PROC
         info["params"] = None
         info["params_reason"] = f"{params_path}: {err.strerror or err}"
     return info
-
-
-def minimum_driver_for_cuda(cuda_version: str) -> str:
-    """Smallest Linux driver that fully supports a CUDA X.Y build ('12.8' -> '570.26').
-
-    A version newer than the table raises ValueError: guessing would make DRV-002 pass wrongly.
-    """
-    parts = version_tuple(cuda_version)
-    key = (parts[0], parts[1] if len(parts) > 1 else 0)
-    if key in CUDA_TOOLKIT_DRIVER:
-        return CUDA_TOOLKIT_DRIVER[key]
-    if min(CUDA_TOOLKIT_DRIVER) < key < max(CUDA_TOOLKIT_DRIVER):
-        # A gap in the table (there was no CUDA 12.7): the next release's floor is the safe answer.
-        return CUDA_TOOLKIT_DRIVER[min(k for k in CUDA_TOOLKIT_DRIVER if k > key)]
-    raise ValueError(f"CUDA {cuda_version} is not in the driver table (known: 12.0 .. 13.1)")
 
 
 def cuda_driver_version_text(value: int) -> str:
@@ -215,7 +178,8 @@ def p2p_reason(snapshot: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m service.nvidia", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the NVML snapshot and /proc facts as JSON")
-    parser.add_argument("--cuda", metavar="X.Y", help="also report min_driver_for_cuda for a CUDA X.Y build")
+    parser.add_argument("--cuda", metavar="X.Y",
+                        help="also report min_driver_for_cuda for a CUDA X.Y build (version_chain's table)")
     args = parser.parse_args(argv)
     snapshot = nvml_snapshot()
     snapshot["p2p_supported_all_pairs"] = p2p_supported_all_pairs(snapshot)
@@ -223,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     snapshot["proc"] = read_proc_driver()
     if args.cuda:
         try:
-            snapshot["min_driver_for_cuda"] = minimum_driver_for_cuda(args.cuda)
+            snapshot["min_driver_for_cuda"] = version_chain.minimum_driver_for_cuda(args.cuda)
         except ValueError as err:
             print(f"error: --cuda: {err}", file=sys.stderr)
             return 2

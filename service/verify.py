@@ -2,8 +2,9 @@
 
 Reads ``/etc/gptoss/verify.d/<role>.json`` (what each role promised). Keys per role file:
 
-- nvidia_driver.json: require_gpu, min_driver (default 535), cuda_version, gpu_count, gpu_name_contains,
-  p2p_expected (supported | unsupported | any)              -> DRV-001, DRV-002, GPU-001..GPU-004
+- nvidia_driver.json: require_gpu, min_driver (default 535), vllm_venv (DRV-002 reads that venv's torch),
+  gpu_count, gpu_name_contains, p2p_expected (supported | unsupported | any), build (the chain the role
+  derived; informational)                                   -> DRV-001, DRV-002, GPU-001..GPU-004
 - kernel_cmdline.json: flags (["nvidia.NVreg_X=V", ...])    -> KRN-001, KRN-002
 - model_mount.json: mount_point, fstype, options            -> MNT-001
 - cpu_governor.json: governor                               -> CPU-001

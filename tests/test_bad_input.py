@@ -29,6 +29,8 @@ BAD_INPUTS = {
                        "device /dev/does-not-exist does not exist"),
     "fstype not allowed": ("playbooks/host.yml", {"model_mount_fstype": "zfs"}, "model_mount_fstype"),
     "no GPU where required": ("playbooks/host.yml", {"nvidia_driver_require_gpu": True}, "no NVIDIA GPU found"),
+    "driver branch below the build's": ("playbooks/host.yml", {"nvidia_driver_branch": "530"},
+                                        "nvidia_driver_branch 530 is below 535"),
     "kernel flag with a shell": ("playbooks/host.yml", {"kernel_cmdline_flags": ["nvidia.NVreg_X=1; reboot"]},
                                  "is not a single key=value"),
     "P2P policy unknown": ("playbooks/host.yml", {"nccl_env_p2p": "sometimes"}, "nccl_env_p2p"),

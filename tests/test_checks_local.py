@@ -23,6 +23,7 @@ from service import checks, nvidia, verify  # noqa: E402
 
 H200 = ROOT / "tests" / "data" / "h200"
 H200_VERIFY_D = ROOT / "tests" / "data" / "h200-verify.d"
+H200_TORCH_VERSION = H200 / "torch_version.py.txt"  # torch/version.py of torch 2.11.0+cu130 on the H200
 SYSTEM_PYTHON = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
 
 
@@ -66,18 +67,7 @@ def test_proc_version_proprietary_module_and_garbage():
         nvidia.parse_proc_version("GCC version: gcc 12\n")
 
 
-@pytest.mark.parametrize(("cuda", "driver"), [("12.0", "525.60.13"), ("12.2", "535.54.03"), ("12.7", "570.26"),
-                                              ("12.8", "570.26"), ("12.9", "575.51.03"), ("13.0", "580.65.06"),
-                                              ("13.1", "590.44.01")])
-def test_minimum_driver_for_cuda(cuda, driver):
-    assert nvidia.minimum_driver_for_cuda(cuda) == driver
-
-
-def test_minimum_driver_for_unknown_cuda_refuses_to_guess():
-    with pytest.raises(ValueError, match="not in the driver table"):
-        nvidia.minimum_driver_for_cuda("13.2")
-    with pytest.raises(ValueError):
-        nvidia.minimum_driver_for_cuda("11.8")
+# The CUDA -> driver table's own tests live in tests/test_version_chain.py (its one home).
 
 
 def test_h200_nvml_snapshot_values():
@@ -114,8 +104,26 @@ def h200_ctx(roles: dict) -> checks.Context:
     return ctx
 
 
-def test_gpu_checks_on_h200_capture():
-    roles = {"nvidia_driver": json.loads((H200_VERIFY_D / "nvidia_driver.json").read_text()),
+def torch_venv(root: Path, version_py: str) -> str:
+    """A venv layout holding only torch/version.py, the file DRV-002 reads (as torch.version does)."""
+    folder = root / "lib" / "python3.11" / "site-packages" / "torch"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "version.py").write_text(version_py)
+    return str(root)
+
+
+def h200_torch_claiming(cuda: str) -> str:
+    """The real torch/version.py of the H200 (2.11.0+cu130), its CUDA line changed to `cuda`."""
+    text = H200_TORCH_VERSION.read_text()
+    assert "cuda: Optional[str] = '13.0'" in text
+    return text.replace("cuda: Optional[str] = '13.0'", f"cuda: Optional[str] = {cuda!r}").replace(
+        "'2.11.0+cu130'", f"'2.11.0+cu{cuda.replace('.', '')}'")
+
+
+def test_gpu_checks_on_h200_capture(tmp_path):
+    driver_role = json.loads((H200_VERIFY_D / "nvidia_driver.json").read_text())
+    driver_role["vllm_venv"] = torch_venv(tmp_path, H200_TORCH_VERSION.read_text())
+    roles = {"nvidia_driver": driver_role,
              "kernel_cmdline": {"flags": ["nvidia.NVreg_EnableGpuFirmware=1", "nvidia.NVreg_UsePageAttributeTable=1",
                                           "nvidia.NVreg_DynamicPowerManagement=3"]}}
     res = by_id(checks.run_checks(h200_ctx(roles), {"DRV-001", "DRV-002", "GPU-001", "GPU-002", "GPU-003",
@@ -123,20 +131,46 @@ def test_gpu_checks_on_h200_capture():
     assert {k: v.status for k, v in res.items()} == {
         "DRV-001": "pass", "DRV-002": "pass", "GPU-001": "pass", "GPU-002": "pass", "GPU-003": "pass",
         "GPU-004": "skip", "KRN-002": "fail"}
+    assert res["DRV-002"].expected.startswith("driver >= 580.65.06, NVML CUDA >= 13.0 (torch 2.11.0+cu130")
     assert "EnableGpuFirmware: 18 = mode 2" in res["KRN-002"].reason
     assert "UsePageAttributeTable: 4294967295 = unset" in res["KRN-002"].reason
     assert "DynamicPowerManagement" not in res["KRN-002"].reason  # 3 == 3
 
 
-def test_gpu_checks_fail_on_wrong_expectations():
-    roles = {"nvidia_driver": {"min_driver": "590", "cuda_version": "13.0", "gpu_count": 2,
-                               "gpu_name_contains": "4090 D"}}
+def test_gpu_checks_fail_on_wrong_expectations(tmp_path):
+    roles = {"nvidia_driver": {"min_driver": "590", "vllm_venv": torch_venv(tmp_path, H200_TORCH_VERSION.read_text()),
+                               "gpu_count": 2, "gpu_name_contains": "4090 D"}}
     ctx = h200_ctx(roles)
     ctx.nvml["cuda_driver_version"] = "12.8"  # what an R570 driver reports
     res = by_id(checks.run_checks(ctx, {"DRV-001", "DRV-002", "GPU-001"}))
     assert res["DRV-001"].status == "fail" and "older than the floor 590" in res["DRV-001"].reason
     assert res["DRV-002"].status == "fail" and "CUDA API is 12.8" in res["DRV-002"].reason
     assert res["GPU-001"].status == "fail" and "expected 2 GPUs" in res["GPU-001"].reason
+
+
+def test_drv002_reads_the_installed_torch_never_the_record(tmp_path):
+    """A torch that claims CUDA 13.1 needs 590.44.01 > the H200's 580.159.04: fail, whatever the record says."""
+    venv = torch_venv(tmp_path, h200_torch_claiming("13.1"))
+    ctx = h200_ctx({"nvidia_driver": {"vllm_venv": venv, "cuda_version": "12.8"}})  # the old inventory claim
+    res = checks.check_driver_for_cuda(ctx)
+    assert res.status == "fail"
+    assert "torch 2.11.0+cu131 is a CUDA 13.1 build, which needs driver >= 590.44.01; found 580.159.04" in res.reason
+    assert "the driver's CUDA API is 13.0, older than the build's 13.1" in res.reason
+
+
+def test_drv002_skips_and_errors(tmp_path):
+    def status(role: dict) -> tuple[str, str]:
+        res = checks.check_driver_for_cuda(h200_ctx({"nvidia_driver": role}))
+        return res.status, res.reason
+
+    assert status({}) == ("skip", "nvidia_driver.json names no vllm_venv")
+    assert status({"vllm_venv": str(tmp_path / "empty")})[0] == "skip"  # vllm_service not applied yet
+    cpu = torch_venv(tmp_path / "cpu", "__version__ = '2.13.0+cpu'\ncuda: Optional[str] = None\n")
+    assert status({"vllm_venv": cpu}) == ("skip", "torch 2.13.0+cpu is a CPU build: it needs no NVIDIA driver")
+    newer = torch_venv(tmp_path / "new", h200_torch_claiming("14.0"))
+    assert status({"vllm_venv": newer})[0] == "error"  # newer than the table: no guess
+    broken = torch_venv(tmp_path / "broken", "cuda = (\n")
+    assert status({"vllm_venv": broken})[0] == "error"
 
 
 def test_pcie_rule_gen_downtrained_passes_width_short_fails():
@@ -459,7 +493,7 @@ def test_full_local_run_is_well_under_two_seconds(tmp_path, api_server, tmpfs_mo
     """Every role file present, the way a converged host has them; no completion."""
     config = write_roles(tmp_path / "all.d", {
         **{k: v for k, v in api_roles(api_server, tmp_path).items()},
-        "nvidia_driver": {"require_gpu": False, "cuda_version": "12.8"},
+        "nvidia_driver": {"require_gpu": False, "vllm_venv": str(tmp_path / "venv")},
         "kernel_cmdline": {"flags": ["nvidia.NVreg_EnableGpuFirmware=1"]},
         "model_mount": {"mount_point": str(tmpfs_mount), "fstype": "tmpfs", "options": ["noatime"]},
         "cpu_governor": {"governor": "performance"},
