@@ -1,0 +1,1 @@
+../collections/ansible_collections/gptoss/host/plugins/module_utils/unit_inputs.py
