@@ -97,11 +97,14 @@ def test_port_holder_is_found_and_named():
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         port = sock.getsockname()[1]
-        holders = unit_inputs.port_holders(port)
+        holders = unit_inputs.port_holders(port, "127.0.0.1")
         assert os.getpid() in holders
-        conflict = unit_inputs.port_conflict(port, "gptoss-vllm.service")
+        conflict = unit_inputs.port_conflict(port, "gptoss-vllm.service", "127.0.0.1")
         assert conflict and f"PID {os.getpid()}" in conflict
-    assert unit_inputs.port_conflict(port, "gptoss-vllm.service") is None
+        assert unit_inputs.port_conflict(port, "gptoss-vllm.service", "0.0.0.0")  # a wildcard bind collides
+        # Another loopback address on the same port does not collide (labs share the host network).
+        assert unit_inputs.port_conflict(port, "gptoss-vllm.service", "127.0.0.2") is None
+    assert unit_inputs.port_conflict(port, "gptoss-vllm.service", "127.0.0.1") is None
 
 
 def test_pending_changes_exact_with_stamp_and_by_mtime_without(tmp_path: Path):

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import re
+import socket
 import subprocess
 
 API_KEY_NAME = "VLLM_API_KEY"
@@ -168,8 +169,29 @@ def unit_show(unit: str, properties: tuple[str, ...]) -> dict[str, str]:
     return dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
 
 
-def _socket_inodes_listening(port: int, proc: str = "/proc") -> set[str]:
-    """Inodes of TCP sockets in LISTEN state on `port`, any address (v4 and v6)."""
+def _decode_address(hex_address: str) -> str:
+    """/proc/net/tcp{,6} address (host byte order, 32-bit words) -> printable IP."""
+    raw = bytes.fromhex(hex_address)
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, words)
+
+
+def _collides(listening: str, wanted: str) -> bool:
+    """Whether a socket bound to `listening` keeps a server from binding `wanted` (same port)."""
+    wildcard = {"0.0.0.0", "::"}
+    if listening in wildcard or wanted in wildcard:
+        return True
+    if listening.startswith("::ffff:"):
+        listening = listening.removeprefix("::ffff:")
+    return listening == wanted
+
+
+def _socket_inodes_listening(port: int, host: str, proc: str = "/proc") -> set[str]:
+    """Inodes of listening TCP sockets on `port` that would collide with binding `host`."""
+    try:
+        wanted = socket.gethostbyname(host) if ":" not in host else host
+    except OSError:
+        wanted = host
     inodes = set()
     for table in ("tcp", "tcp6"):
         try:
@@ -177,21 +199,22 @@ def _socket_inodes_listening(port: int, proc: str = "/proc") -> set[str]:
                 next(handle)
                 for line in handle:
                     fields = line.split()
-                    local, state, inode = fields[1], fields[3], fields[9]
-                    if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
-                        inodes.add(inode)
+                    address, _, local_port = fields[1].partition(":")
+                    listening = fields[3] == "0A" and int(local_port, 16) == port
+                    if listening and _collides(_decode_address(address), wanted):
+                        inodes.add(fields[9])
         except FileNotFoundError:
             continue
     return inodes
 
 
-def port_holders(port: int, proc: str = "/proc") -> dict[int, str]:
-    """PID -> command name of every process holding a listening TCP socket on `port`.
+def port_holders(port: int, host: str = "0.0.0.0", proc: str = "/proc") -> dict[int, str]:
+    """PID -> command name of each process listening where binding `host`:`port` would collide.
 
-    An empty dict with a listening socket present means the holder is not visible to us (another
-    namespace); the caller reports the port as held by an unknown process.
+    A listening socket whose process we cannot see (another PID namespace sharing the network)
+    is reported as PID -1.
     """
-    inodes = _socket_inodes_listening(port, proc)
+    inodes = _socket_inodes_listening(port, host, proc)
     if not inodes:
         return {}
     wanted = {f"socket:[{inode}]" for inode in inodes}
@@ -207,7 +230,7 @@ def port_holders(port: int, proc: str = "/proc") -> dict[int, str]:
                     break
         except OSError:
             continue  # gone, or not ours to read
-    return holders or {-1: "unknown (not visible from here)"}
+    return holders or {-1: "a process not visible from here"}
 
 
 def pid_in_unit(pid: int, unit: str, proc: str = "/proc") -> bool:
@@ -219,9 +242,10 @@ def pid_in_unit(pid: int, unit: str, proc: str = "/proc") -> bool:
         return False
 
 
-def port_conflict(port: int, unit: str, proc: str = "/proc") -> str | None:
-    """None when `port` is free or held only by `unit`; else who holds it."""
-    others = {pid: name for pid, name in port_holders(port, proc).items() if not pid_in_unit(pid, unit, proc)}
+def port_conflict(port: int, unit: str, host: str = "0.0.0.0", proc: str = "/proc") -> str | None:
+    """None when `host`:`port` is free or held only by `unit`'s processes; else who holds it."""
+    others = {pid: name for pid, name in port_holders(port, host, proc).items()
+              if not pid_in_unit(pid, unit, proc)}
     if not others:
         return None
     return ", ".join(f"PID {pid} ({name})" if pid > 0 else name for pid, name in sorted(others.items()))

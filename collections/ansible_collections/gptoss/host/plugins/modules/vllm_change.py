@@ -52,7 +52,6 @@ options:
   lock_file: {description: The per-host change lock., type: path, default: /run/gptoss/change.lock}
   lock_wait_s: {description: Seconds to wait for the lock (0 = fail at once)., type: int, default: 1200}
   holder: {description: Who takes the lock (shown to a second run)., type: str, default: converge}
-  fail_after_gate: {description: "Test hook: fail after the gate, to prove the undo.", type: bool, default: false}
 author: gptoss-host
 """
 
@@ -73,6 +72,8 @@ restarted: {description: Whether the server was (re)started, type: bool, returne
 restart_reasons: {description: Why it was restarted (or would be in check mode), type: list, returned: always}
 reset_failed: {description: What systemd's failed state was before reset-failed, or empty, type: str, returned: always}
 rollout: {description: The health gate's JSON result, type: dict, returned: when the gate ran}
+lock_waited_s: {description: Seconds this run waited for the change lock, type: float, returned: not check mode}
+lock_waited_for: {description: Who held the lock while this run waited, or empty, type: str, returned: not check mode}
 """
 
 import contextlib
@@ -150,12 +151,13 @@ class Transaction:
         """Everything that can be known before the live server is touched."""
         new_url = urlparse(str(self.params["record"].get("base_url", "")))
         if new_url.port:
-            holder = unit_inputs.port_conflict(new_url.port, self.unit)
+            host = new_url.hostname or "0.0.0.0"
+            holder = unit_inputs.port_conflict(new_url.port, self.unit, host)
             if holder:
                 self.module.fail_json(msg=(
-                    f"port {new_url.port} is held by {holder}, not by {self.unit}; refused before anything "
-                    f"changed (the running server, PID {state.get('MainPID', '0')}, was not touched). Free the "
-                    "port or choose another vllm_service_port."))
+                    f"{new_url.hostname}:{new_url.port} is held by {holder}, not by {self.unit}; "
+                    f"refused before anything changed (the running server, PID {state.get('MainPID', '0')}, "
+                    "was not touched). Free the port or choose another vllm_service_port."))
         for directory in sorted({os.path.dirname(p) or "/" for p in self.files}):
             probe = directory
             while not os.path.exists(probe):
@@ -304,8 +306,6 @@ class Transaction:
             result["rollout"] = rollout
             if not rollout.get("ok"):
                 raise ChangeFailed(str(rollout.get("reason")))
-            if self.params["fail_after_gate"]:
-                raise ChangeFailed("forced failure after the gate (fail_after_gate, a test hook)")
         except (ChangeFailed, OSError, RuntimeError) as exc:
             self.undo(str(exc), state, result)
         self.write_stamp()
@@ -353,15 +353,18 @@ def change_lock(module: AnsibleModule):
     path = module.params["lock_file"]
     os.makedirs(os.path.dirname(path), exist_ok=True)
     handle = open(path, "a+")  # noqa: SIM115 - held for the whole transaction
-    deadline = time.time() + module.params["lock_wait_s"]
+    started = time.time()
+    deadline = started + module.params["lock_wait_s"]
+    waited_for = ""
     while True:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             break
         except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            waited_for = waited_for or holder
             if time.time() >= deadline:
-                handle.seek(0)
-                holder = handle.read().strip() or "unknown"
                 module.fail_json(msg=f"another change holds {path}: {holder}; waited "
                                      f"{module.params['lock_wait_s']} s; nothing was changed")
             time.sleep(2)
@@ -371,7 +374,7 @@ def change_lock(module: AnsibleModule):
                  f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
     handle.flush()
     try:
-        yield
+        yield {"lock_waited_s": round(time.time() - started, 1), "lock_waited_for": waited_for}
     finally:
         handle.seek(0)
         handle.truncate()
@@ -397,7 +400,6 @@ def main() -> None:
             "lock_file": {"type": "path", "default": "/run/gptoss/change.lock"},
             "lock_wait_s": {"type": "int", "default": 1200},
             "holder": {"type": "str", "default": "converge"},
-            "fail_after_gate": {"type": "bool", "default": False},
         },
         supports_check_mode=True,
     )
@@ -408,8 +410,8 @@ def main() -> None:
     if module.check_mode:
         result = Transaction(module).apply()
     else:
-        with change_lock(module):
-            result = Transaction(module).apply()
+        with change_lock(module) as lock:
+            result = dict(Transaction(module).apply(), **lock)
     diff = result.pop("diff")
     module.exit_json(diff=diff if module._diff else None, **result)
 
