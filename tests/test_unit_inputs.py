@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -163,3 +164,28 @@ def test_module_prunes_secret_backups_all_and_others_to_n(tmp_path: Path):
     assert len(transaction.prune_backups(str(args), secret=False)) == 3
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == ["args.json.20260103T000000.gptoss~", "args.json.20260104T000000.gptoss~"]
+
+
+def test_verify_exits_2_for_a_check_that_could_not_run_and_1_for_a_failed_one(tmp_path: Path):
+    """README: 1 a check failed, 2 a tool or host error (here: a key file in a form systemd would alter)."""
+    config = tmp_path / "verify.d"
+    config.mkdir()
+    secrets = tmp_path / "vllm-secrets.env"
+    secrets.write_text("VLLM_API_KEY=unquoted\\key\n")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead_port = sock.getsockname()[1]
+    (config / "vllm_service.json").write_text(json.dumps({
+        "base_url": f"http://127.0.0.1:{dead_port}", "served_model_name": "m", "api_key_file": str(secrets)}))
+
+    def verify(only: str) -> tuple[int, dict]:
+        proc = subprocess.run([sys.executable, "-m", "service.verify", "--config-dir", str(config), "--json",
+                               "--only", only], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+        return proc.returncode, json.loads(proc.stdout)
+
+    code, report = verify("API-002")
+    assert (code, report["results"][0]["status"]) == (2, "error")
+    assert "is not of the form VLLM_API_KEY='<key>'" in report["results"][0]["reason"]
+    assert "unquoted" not in json.dumps(report)  # never the key
+    code, report = verify("API-001")  # nothing listens: a failed check, not an error
+    assert (code, report["results"][0]["status"]) == (1, "fail")

@@ -104,6 +104,7 @@ class Transaction:
         self.files = self._desired_files()
         self.before = {path: self._read(path) for path in self.files}
         self.written: list[str] = []
+        self.backups: list[str] = []  # made by this run; an undo removes them again
         self.unit_path = os.path.join(UNIT_DIR, self.unit)
 
     # ---------------------------------------------------------------- inputs
@@ -200,8 +201,9 @@ class Transaction:
         previous = self.before[path]
         if previous is None or self.files[path]["secret"] or self.params["keep_backups"] <= 0:
             return
-        stamp = time.strftime("%Y%m%dT%H%M%S")
-        self.write(f"{path}.{stamp}.gptoss~", previous, os.stat(path).st_mode & 0o777)
+        backup = f"{path}.{time.strftime('%Y%m%dT%H%M%S')}.gptoss~"
+        self.write(backup, previous, os.stat(path).st_mode & 0o777)
+        self.backups.append(backup)
 
     # ---------------------------------------------------------------- systemd
     def systemctl(self, *args: str, check: bool = True) -> tuple[int, str]:
@@ -319,6 +321,9 @@ class Transaction:
         for path in self.written:
             self.write(path, self.before[path], self.files[path]["mode"])
             restored.append(path if self.before[path] is not None else f"{path} (removed: it did not exist)")
+        for backup in self.backups:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(backup)
         for path, spec in self.files.items():
             self.prune_backups(path, spec["secret"])
         notes = []
