@@ -133,7 +133,9 @@ def pending_changes(paths: list[str], main_pid: int, stamp_file: str) -> list[st
     if stamp.get("main_pid") == main_pid and isinstance(stamp.get("inputs"), dict):
         started_with = stamp["inputs"]
         return [p for p, digest in current.items() if started_with.get(p) != digest]
-    started_at = process_start_epoch(main_pid)
+    # /proc/stat's btime is whole seconds, so the start time is known to within 1 s; a file written
+    # in that second counts as read (a false "pending" would restart a healthy server on every run).
+    started_at = process_start_epoch(main_pid) + 1.0
     pending = []
     for path in current:
         try:

@@ -313,6 +313,8 @@ class Transaction:
         self.write_stamp()
         for path, spec in self.files.items():
             self.prune_backups(path, spec["secret"])
+        for path in self.params["watch"]:  # other roles' files the unit reads: bounded too
+            self.prune_backups(path, secret=False)
         return dict(result, changed=bool(changed or result["restarted"] or enable))
 
     def undo(self, reason: str, state_before: dict[str, str], result: dict) -> None:
