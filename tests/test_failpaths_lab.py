@@ -132,15 +132,15 @@ def test_drift_reported_then_live_through_a_crash_loop_to_the_start_limit_then_a
         pid = wait_main_pid_change(lab, pid)
         if pid == 0:
             break
-    state = lab.sh("systemctl show -p ActiveState,Result --value gptoss-vllm").split()
-    assert state == ["failed", "start-limit-hit"], state
+    assert lab.sh("systemctl show -p ActiveState --value gptoss-vllm").strip() == "failed"
+    assert "Start request repeated too quickly" in lab.sh("journalctl -u gptoss-vllm -n 5 -o cat --no-pager")
     assert seen_drift, "the drifted value never reached a running process"
     print(f"[must-show] start limit hit after {kills} kills; the drift was live: {seen_drift}")
 
     result = lab.play("site.yml")
     print(f"[must-show] converge after the start limit: rc={result.rc} {result.seconds:.1f}s")
     assert result.rc == 0, result.output[-5000:]
-    assert "systemd had given up on it after repeated crashes (start limit hit)" in result.output
+    assert "systemd had given up on it after repeated crashes (start limit hit" in result.output
     assert "ran systemctl reset-failed" in result.output
     assert lab.sh(f"cat {env_file}") == original
     assert server_env(lab, name) == value

@@ -217,12 +217,22 @@ class Transaction:
         return unit_inputs.unit_show(self.unit, props)
 
     def reset_if_failed(self) -> str:
-        state = self.state()
+        """reset-failed a unit in the failed state; say why it was there.
+
+        systemd 252 keeps the last Result (e.g. 'signal') when it gives up at the start limit, so the
+        start limit is recognised by its journal line, not by Result=start-limit-hit alone.
+        """
+        state = unit_inputs.unit_show(self.unit, ("ActiveState", "Result", "NRestarts", "StartLimitBurst",
+                                                  "StartLimitIntervalUSec"))
         if state.get("ActiveState") != "failed":
             return ""
+        _, journal, _ = self.module.run_command(["journalctl", "-u", self.unit, "-n", "5", "--no-pager", "-o", "cat"])
+        if state.get("Result") == "start-limit-hit" or "Start request repeated too quickly" in journal:
+            why = (f"systemd had given up on it after repeated crashes (start limit hit: {state.get('StartLimitBurst')}"
+                   f" starts in {state.get('StartLimitIntervalUSec')}; last result {state.get('Result')})")
+        else:
+            why = f"it had failed (Result={state.get('Result')})"
         self.systemctl("reset-failed", self.unit)
-        why = ("systemd had given up on it after repeated crashes (start limit hit)"
-               if state.get("Result") == "start-limit-hit" else f"it had failed (Result={state.get('Result')})")
         return f"{self.unit}: {why}, NRestarts={state.get('NRestarts')}; ran systemctl reset-failed"
 
     def gate(self, record: dict, since: float | None) -> dict:
