@@ -293,9 +293,9 @@ class Transaction:
         reasons = self.restart_reasons(state, changed)
         result = {"changed_files": changed, "restart_reasons": reasons, "restarted": False, "reset_failed": "",
                   "diff": self.diff(changed)}
+        self.preflight(state)  # in check mode too: it tells what a real run would refuse
         if self.module.check_mode:
             return dict(result, changed=bool(changed or reasons))
-        self.preflight(state)
         enable = state.get("UnitFileState") != "enabled"
         try:
             for path in changed:
@@ -357,10 +357,13 @@ class Transaction:
                 notes.append(f"{self.unit} was not serving before this change; it is stopped")
         except (ChangeFailed, OSError, RuntimeError) as exc:
             notes.append(f"the undo itself failed: {exc}")
+        what = (f"the new configuration did not serve: {reason}. Restored {len(restored)} input(s) to their "
+                f"previous content: {', '.join(restored)}." if self.written
+                else f"the server does not serve, and this run changed nothing: {reason}.")
         self.module.fail_json(
-            msg=(f"vllm_change: the new configuration did not serve: {reason}. "
-                 f"Restored {len(restored)} input(s) to their previous content: {', '.join(restored) or 'none'}. "
-                 + " ".join(notes) + (f" {result['reset_failed']}." if result["reset_failed"] else "")),
+            msg=(f"vllm_change: {what} " + " ".join(notes)
+                 + (f" {result['reset_failed']}." if result["reset_failed"] else "")
+                 + "\nJournal tail:\n" + "\n".join(journal[-15:])),
             restored=restored, journal=journal[-40:], **{k: v for k, v in result.items() if k != "diff"})
 
 
