@@ -120,9 +120,11 @@ lab.add_task(lab_model)
 # ---------------------------------------------------------------- provisioning
 
 
-def _ansible(c, command: str, inventory: str | None, warn: bool = False):
+def _ansible(c, command: str, inventory: str | None, warn: bool = False, holder: str = ""):
     inv = f"-i {inventory} " if inventory else ""
     env = {"ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "GPTOSS_LAB": lab_name()}
+    if holder:  # named to a second change that finds the host's change lock taken
+        env["GPTOSS_CHANGE_HOLDER"] = holder
     return c.run(f"{ROOT}/.venv/bin/{command.split()[0]} {inv}{' '.join(command.split()[1:])}", env=env,
                  warn=warn, pty=False)
 
@@ -302,7 +304,7 @@ def tune(c, ttft_p95_ms=800, concurrency=4, max_num_seqs="2,4", max_num_batched_
         print(f"\n== tune {number}/{len(candidates)}: {overrides}")
         extra = json.dumps({"vllm_service_flags_override": overrides})
         rollout = _ansible(c, f"ansible-playbook playbooks/vllm.yml --tags vllm_service -e '{extra}'", inventory,
-                           warn=True)
+                           warn=True, holder=f"invoke tune (candidate {number}/{len(candidates)})")
         if rollout.exited != 0:
             reason = next((line.strip() for line in reversed(rollout.stdout.splitlines()) if "vllm_service" in line),
                           "rollout failed")
@@ -332,7 +334,8 @@ def tune(c, ttft_p95_ms=800, concurrency=4, max_num_seqs="2,4", max_num_batched_
         print(f"tune: no candidate met p95 TTFT <= {ttft_p95_ms:g} ms; restoring the previous configuration")
     else:
         print("tune: winner not accepted (pass --accept to keep it); restoring the previous configuration")
-    final = _ansible(c, "ansible-playbook playbooks/vllm.yml --tags vllm_service", inventory, warn=True)
+    final = _ansible(c, "ansible-playbook playbooks/vllm.yml --tags vllm_service", inventory, warn=True,
+                     holder="invoke tune (final rollout)")
     if final.exited != 0:
         raise Exit("tune: restoring the configuration failed; see the play output above", code=2)
     if best is None:

@@ -19,7 +19,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from ansible_collections.gptoss.host.plugins.module_utils import version_chain
+from ansible_collections.gptoss.host.plugins.module_utils import unit_inputs, version_chain
 
 from service import nvidia
 
@@ -210,12 +210,11 @@ def read_environ(pid: int, proc: Path = Path("/proc")) -> dict[str, str]:
 
 
 def read_api_key(path: str) -> str:
-    """VLLM_API_KEY= from an env file (quotes stripped). The caller never prints it."""
-    for line in Path(path).read_text().splitlines():
-        key, sep, value = line.strip().partition("=")
-        if sep and key.strip().removeprefix("export ").strip() == "VLLM_API_KEY":
-            return value.strip().strip("'\"")
-    raise LookupError(f"{path} has no VLLM_API_KEY= line")
+    """The key as systemd hands it to the server (the one reader, shared with the rollout)."""
+    try:
+        return unit_inputs.read_api_key(path)
+    except unit_inputs.KeyFileError as err:
+        raise LookupError(str(err)) from None
 
 
 def _num(value: Any) -> int | None:
@@ -564,6 +563,25 @@ def check_cmdline_matches(ctx: Context) -> CheckResult:
     return CheckResult(cid, title, "pass", expected, found, "")
 
 
+def check_restart_pending(ctx: Context) -> CheckResult:
+    cid, title = "SVC-004", "Running vLLM started with the configuration on disk"
+    role = ctx.role("vllm_service")
+    inputs = [str(p) for p in role.get("inputs", [])]
+    expected = f"{len(inputs)} input(s) unchanged since the process started"
+    if not inputs:
+        return CheckResult(cid, title, "skip", expected, "", "verify.d/vllm_service.json lists no inputs")
+    try:
+        pid = ctx.main_pid()
+        pending = unit_inputs.pending_changes(inputs, pid, str(role.get("stamp_file", "")))
+    except (RuntimeError, OSError) as err:
+        return CheckResult(cid, title, "error", expected, "", str(err))
+    except LookupError as err:
+        return CheckResult(cid, title, "fail", expected, "", str(err))
+    return CheckResult(cid, title, "fail" if pending else "pass", expected, f"PID {pid}",
+                       f"restart pending: changed on disk since PID {pid} started: {', '.join(pending)}"
+                       if pending else "")
+
+
 # ------------------------------------------------------------------ HTTP API
 
 
@@ -673,6 +691,7 @@ CHECKS: list[tuple[str, str, str, Callable[[Context], CheckResult]]] = [
     ("SVC-001", "vLLM unit active and enabled", "vllm_service", check_unit_state),
     ("SVC-002", "vLLM unit restart count", "vllm_service", check_restarts),
     ("SVC-003", "Running command line equals vllm-args", "vllm_service", check_cmdline_matches),
+    ("SVC-004", "Running vLLM started with the configuration on disk", "vllm_service", check_restart_pending),
     ("API-001", "GET /health", "vllm_service", check_health),
     ("API-002", "GET /v1/models lists the served model", "vllm_service", check_models),
     ("API-003", "One real completion", "vllm_service", check_completion),

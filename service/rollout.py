@@ -4,8 +4,8 @@ Standard library only: runs on the host with the system python3 (`python3 -m ser
 /health turns 200 once the engine is up, but only a completion proves the model, the tokenizer and
 the API key work together, so the rollout counts as done after the first 2xx completion.
 
-Prints one JSON line. The API key is read from the `VLLM_API_KEY=` line of an env file and never
-printed (error texts are scrubbed of it too).
+Prints one JSON line. The API key is read from the secrets file by module_utils `unit_inputs` (the form
+systemd passes unchanged) and never printed (error texts are scrubbed of it too).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+
+from ansible_collections.gptoss.host.plugins.module_utils import unit_inputs
 
 HEALTH_POLL_S = 1.0
 UNIT_POLL_S = 5.0  # systemctl is cheap but not free; a crash is still noticed within seconds
@@ -44,15 +45,11 @@ class Clock:
 
 
 def read_api_key(path: str) -> str:
+    """The key as systemd hands it to the server: the one reader, shared with verify."""
     try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as exc:
-        raise RolloutFailed(f"cannot read API key file {path}: {exc.strerror}") from None
-    for line in lines:
-        name, sep, value = line.strip().removeprefix("export ").partition("=")
-        if sep and name.strip() == "VLLM_API_KEY":
-            return value.strip().strip("'\"")
-    raise RolloutFailed(f"no VLLM_API_KEY= line in {path}")
+        return unit_inputs.read_api_key(path)
+    except unit_inputs.KeyFileError as exc:
+        raise RolloutFailed(str(exc)) from None
 
 
 def scrub(text: str, secret: str | None) -> str:

@@ -9,12 +9,14 @@ Reads ``/etc/gptoss/verify.d/<role>.json`` (what each role promised). Keys per r
 - model_mount.json: mount_point, fstype, options            -> MNT-001
 - cpu_governor.json: governor                               -> CPU-001
 - nccl_env.json: variables ({NAME: value})                  -> ENV-001 (unit from vllm_service.json)
-- vllm_service.json: unit, max_restarts (default 3), argv, base_url, served_model_name, api_key_file
-                                                            -> SVC-001..SVC-003, API-001..API-003
+- vllm_service.json: unit, max_restarts (default 3), argv, base_url, served_model_name, api_key_file,
+  inputs, stamp_file
+                                                            -> SVC-001..SVC-004, API-001..API-003
 - model_weights.json: model_dir                             -> MDL-001
 
-Exit codes: 0 every check passed (skips and waived ones are fine), 1 a check failed or could not run
-(status fail or error), 2 the tool itself could not work (bad config dir, unreadable JSON, bad waivers).
+Exit codes: 0 every check passed (skips and waived ones are fine), 1 a check failed (status fail),
+2 a tool or host error: the tool itself could not work (bad config dir, unreadable JSON, bad waivers)
+or a check could not run (status error, e.g. systemd or the key file unreadable). Error wins over fail.
 """
 
 from __future__ import annotations
@@ -150,9 +152,16 @@ def junit_xml(reports: dict[str, dict[str, Any]]) -> bytes:
 
 
 def exit_code(reports: dict[str, dict[str, Any]]) -> int:
+    """0 all pass, 1 a check failed, 2 a tool or host error (an unreachable host, a check that errored)."""
     if any("error" in report for report in reports.values()):
         return 2
-    return 0 if all(summarize(r["results"])["ok"] for r in reports.values()) else 1
+    return max((report_exit_code(summarize(r["results"])) for r in reports.values()), default=0)
+
+
+def report_exit_code(summary: dict[str, Any]) -> int:
+    if summary["error"]:
+        return 2
+    return 1 if summary["fail"] else 0
 
 
 def report_hosts(reports: dict[str, dict[str, Any]], *, as_json: bool = False, junit: str | None = None,
@@ -228,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         for note in report["notes"]:
             print(f"note: {note}")
         print(format_summary(report["summary"], report["duration_s"]))
-    return 0 if report["summary"]["ok"] else 1
+    return report_exit_code(report["summary"])
 
 
 if __name__ == "__main__":

@@ -95,7 +95,7 @@ def server(tmp_path_factory):
 @pytest.fixture
 def key_file(tmp_path) -> Path:
     path = tmp_path / "vllm-secrets.env"
-    path.write_text(f"# written by vllm_service\nVLLM_API_KEY={API_KEY}\n")
+    path.write_text(f"# written by vllm_service\nVLLM_API_KEY='{API_KEY}'\n")
     return path
 
 
@@ -180,4 +180,5 @@ def test_key_file_without_the_key_line_fails_clearly(tmp_path):
         "--base-url", f"http://127.0.0.1:{FREE_PORT}", "--model", "x", "--api-key-file", str(key_file),
     )  # fmt: skip
     assert code == 1
-    assert report == {"ok": False, "reason": f"no VLLM_API_KEY= line in {key_file}"}
+    assert report["ok"] is False
+    assert report["reason"].startswith(f"{key_file}: line 1 is not of the form VLLM_API_KEY='<key>'")

@@ -64,14 +64,28 @@ def test_bad_flag_stops_before_the_unit_and_the_server_keeps_serving(lab: Lab):
 
 
 def test_change_that_fails_at_start_is_rolled_back(lab: Lab):
-    """Valid flags, but the server cannot start with them: the old unit comes back and serves."""
-    before_unit = lab.checksums(UNIT)
-    # 100 TB of KV cache passes flag validation but cannot be allocated at start.
-    result = lab.play("playbooks/vllm.yml",
-                      extra_vars={"vllm_service_env_override": {"VLLM_CPU_KVCACHE_SPACE": "100000"}})
+    """Valid inputs, but the server cannot start with them: every input and the verify record go back,
+    and the previous configuration serves again (issue 14: a forced failure late in the rollout)."""
+    inputs = [UNIT, "/etc/gptoss/vllm-args.json", "/etc/gptoss/vllm-secrets.env",
+              "/etc/gptoss/verify.d/vllm_service.json", "/etc/gptoss/nccl.env", "/var/lib/gptoss/vllm-started.json"]
+    before, pid = lab.checksums(*inputs), lab.main_pid()
+    backups_before = lab.sh("find /etc/gptoss /etc/systemd/system -name '*~' | sort")
+    key = "late-failure-key-0123456789"
+    # Unit (env), args (a flag) and secrets (a key) change together; 100 TB of KV cache passes flag
+    # validation but cannot be allocated at start, so the failure comes after every write and the restart.
+    result = lab.play("playbooks/vllm.yml", "--tags", "vllm_service", extra_vars={
+        "vllm_service_env_override": {"VLLM_CPU_KVCACHE_SPACE": "100000"},
+        "vllm_service_flags_override": {"max-num-seqs": 3}, "vllm_service_api_key": key})
+    print(f"failed change + undo: rc={result.rc} in {result.seconds:.1f}s")
     assert result.rc != 0
-    assert "previous unit restored, serving: True" in result.output, result.output[-5000:]
-    assert "Journal tail" in result.output
-    assert lab.checksums(UNIT) == before_unit
+    assert "the new configuration did not serve" in result.output, result.output[-5000:]
+    assert "Restored 4 input(s) to their previous content" in result.output, result.output[-5000:]
+    assert f"serving again on {lab.base_url}: yes" in result.output, result.output[-5000:]
+    assert lab.checksums(*inputs) == before
+    assert lab.main_pid() != pid  # the previous configuration was restarted, not left dead
+    # No backup holds the key, and the failed change left no new backup behind.
+    assert lab.sh("find /etc/gptoss /etc/systemd/system -name '*~' | sort") == backups_before
+    assert key not in lab.sh("cat /etc/gptoss/*~ /etc/systemd/system/*~ 2>/dev/null; true")
+    assert key not in result.output
     completion = http_json(f"{lab.base_url}/v1/completions", {"model": "tiny-llama", "prompt": "Hi", "max_tokens": 4})
     assert completion["usage"]["completion_tokens"] == 4
