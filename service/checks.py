@@ -693,7 +693,7 @@ def check_chat(ctx: Context) -> CheckResult:
             return CheckResult(cid, title, "fail", expected, found, problem or "the server answered with no tokens")
         if not tools_enabled:
             return CheckResult(cid, title, "pass", expected, found, "")
-        reply, problem = ask({"max_tokens": 32, "tools": [PROBE_TOOL], "tool_choice": "auto"})
+        reply, problem = ask({"max_tokens": 16, "tools": [PROBE_TOOL], "tool_choice": "auto"})
         if reply is None or problem:
             return CheckResult(cid, title, "fail", expected, f"{found}; tools", problem)
         kind, problem = classify_chat_message(reply["choices"][0]["message"], {PROBE_TOOL["function"]["name"]})
