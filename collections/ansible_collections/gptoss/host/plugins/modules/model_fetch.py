@@ -56,6 +56,7 @@ bytes_missing: {description: Bytes still to download at the start of this call.,
 progress: {description: One line for humans., type: str, returned: always}
 """
 
+import json
 import time
 from pathlib import Path
 
@@ -70,7 +71,7 @@ def file_list(params: dict) -> tuple[str, list[mf.FileSpec], str]:
         if not params["manifest_url"]:
             raise mf.FetchError("source mirror needs manifest_url")
         try:
-            data = mf.json.loads(mf.read_url(params["manifest_url"]))
+            data = json.loads(mf.read_url(params["manifest_url"]))
         except (OSError, ValueError) as err:
             raise mf.FetchError(f"manifest {params['manifest_url']}: {err}") from err
         revision, files = mf.parse_manifest(data)
