@@ -639,8 +639,9 @@ PROBE_TOOL = {
 def classify_chat_message(message: Any, tool_names: set[str]) -> tuple[str, str]:
     """(kind, problem) of one chat completion message: kind "tool call" or "message"; problem "" if sound.
 
-    A plain message has text in `content`, or only in `reasoning_content`/`reasoning` (a reasoning
-    parser moves gpt-oss's analysis channel there, and a short max_tokens can end inside it)."""
+    A plain message has a `content` string, or, with content null, a `reasoning_content`/`reasoning`
+    string (a reasoning parser moves gpt-oss's analysis channel there, and a short max_tokens can
+    end inside it)."""
     if not isinstance(message, dict):
         return "", f"message is {type(message).__name__}, not an object"
     calls = message.get("tool_calls") or []
@@ -656,10 +657,11 @@ def classify_chat_message(message: Any, tool_names: set[str]) -> tuple[str, str]
             if not isinstance(arguments, dict):
                 return "tool call", f"{function['name']}: arguments are not a JSON object"
         return "tool call", ""
-    texts = [message.get(key) for key in ("content", "reasoning_content", "reasoning")]
-    if any(isinstance(text, str) and text for text in texts):
+    if isinstance(message.get("content"), str):  # "" too: a model may stop at once (EOS)
         return "message", ""
-    return "", "neither a tool call nor any text"
+    if any(isinstance(message.get(key), str) for key in ("reasoning_content", "reasoning")):
+        return "message", ""
+    return "", "neither tool_calls nor a content string"
 
 
 def check_chat(ctx: Context) -> CheckResult:
@@ -682,7 +684,7 @@ def check_chat(ctx: Context) -> CheckResult:
 
     def probe() -> CheckResult:
         start = time.monotonic()
-        reply, problem = ask({"max_tokens": 8})
+        reply, problem = ask({"max_tokens": 8, "temperature": 0})
         ms = (time.monotonic() - start) * 1000
         if reply is None or problem:
             return CheckResult(cid, title, "fail", expected, "chat", problem)
@@ -693,7 +695,8 @@ def check_chat(ctx: Context) -> CheckResult:
             return CheckResult(cid, title, "fail", expected, found, problem or "the server answered with no tokens")
         if not tools_enabled:
             return CheckResult(cid, title, "pass", expected, found, "")
-        reply, problem = ask({"max_tokens": 16, "tools": [PROBE_TOOL], "tool_choice": "auto"})
+        # temperature 0: the same server gives the same answer on every run of verify.
+        reply, problem = ask({"max_tokens": 16, "temperature": 0, "tools": [PROBE_TOOL], "tool_choice": "auto"})
         if reply is None or problem:
             return CheckResult(cid, title, "fail", expected, f"{found}; tools", problem)
         kind, problem = classify_chat_message(reply["choices"][0]["message"], {PROBE_TOOL["function"]["name"]})

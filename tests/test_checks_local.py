@@ -486,6 +486,7 @@ def call(name: str, arguments: str) -> dict:
     ("message", "expected"),
     [
         ({"role": "assistant", "content": "It is sunny."}, ("message", "")),
+        ({"role": "assistant", "content": ""}, ("message", "")),  # stopped at once: still a message
         ({"role": "assistant", "content": None, "reasoning_content": "The user asks"}, ("message", "")),
         ({"role": "assistant", "content": None, "tool_calls": [call("get_weather", '{"city": "Paris"}')]},
          ("tool call", "")),
@@ -502,8 +503,8 @@ def test_chat_answers_that_are_well_formed(message, expected):
         ({"role": "assistant", "tool_calls": [call("get_weather", '{"city": ')]}, "arguments are not JSON"),
         ({"role": "assistant", "tool_calls": [call("get_weather", '["Paris"]')]}, "not a JSON object"),
         ({"role": "assistant", "tool_calls": ["get_weather"]}, "call of an unknown tool"),
-        ({"role": "assistant", "content": ""}, "neither a tool call nor any text"),
-        ({"role": "assistant", "content": None}, "neither a tool call nor any text"),
+        ({"role": "assistant", "content": None}, "neither tool_calls nor a content string"),
+        ({"role": "assistant"}, "neither tool_calls nor a content string"),
         ("It is sunny.", "message is str"),
     ],
 )
