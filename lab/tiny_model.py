@@ -5,6 +5,9 @@ a byte-level BPE tokenizer trained locally with `tokenizers`, and a 2-layer
 Llama with hidden size 256 and head_dim 64 (CPU attention rejects head_dim 16).
 Weights are written as `pytorch_model.bin` by default so that the converter has
 real work to do on the host; `--safetensors` writes them the way hubs ship them.
+The tokenizer carries a chat template (written as chat_template.jinja) so that vLLM serves
+`/v1/chat/completions`; it lists offered tools and asks for Hermes-style `<tool_call>` answers,
+the format of the cpu-lab profile's tool-call parser.
 """
 
 from __future__ import annotations
@@ -20,6 +23,19 @@ CORPUS = [
     "0123456789 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ",
 ] * 50
 
+# Plain-text role markers: no new special tokens, so the vocabulary and weights keep their shape.
+# Tools are listed as name(arguments) only: the 512-token vocabulary makes full JSON schemas
+# longer than the cpu-lab profile's 256-token context.
+# `content` may be null on assistant turns that carried tool calls.
+CHAT_TEMPLATE = (
+    "{% if tools %}<|system|>\nTools you may call:\n"
+    "{% for tool in tools %}{{ tool.function.name }}({{ tool.function.parameters.properties | list | join(', ') }})\n"
+    "{% endfor %}"
+    'Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call>\n{% endif %}'
+    "{% for message in messages %}<|{{ message.role }}|>\n{{ message.content or '' }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
 
 def build_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
     from tokenizers import ByteLevelBPETokenizer
@@ -28,6 +44,7 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(CORPUS, vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"])
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(out_dir))
 
 

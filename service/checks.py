@@ -656,6 +656,89 @@ def check_completion(ctx: Context) -> CheckResult:
     return _api_result(ctx, cid, title, ">= 1 token", probe)
 
 
+# A tool the API-004 request offers. A server with tool calling must answer with a well-formed call
+# of it, or with a plain message; anything else (a call of an unknown tool, arguments that are not
+# a JSON object, an empty message) is what a broken parser or chat template produces.
+PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def classify_chat_message(message: Any, tool_names: set[str]) -> tuple[str, str]:
+    """(kind, problem) of one chat completion message: kind "tool call" or "message"; problem "" if sound.
+
+    A plain message has a `content` string, or, with content null, a `reasoning_content`/`reasoning`
+    string (a reasoning parser moves gpt-oss's analysis channel there, and a short max_tokens can
+    end inside it)."""
+    if not isinstance(message, dict):
+        return "", f"message is {type(message).__name__}, not an object"
+    calls = message.get("tool_calls") or []
+    if calls:
+        for call in calls:
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or function.get("name") not in tool_names:
+                return "tool call", f"call of an unknown tool: {json.dumps(call)[:120]}"
+            try:
+                arguments = json.loads(function.get("arguments") or "")
+            except (TypeError, json.JSONDecodeError):
+                return "tool call", f"{function['name']}: arguments are not JSON: {function.get('arguments')!r:.80}"
+            if not isinstance(arguments, dict):
+                return "tool call", f"{function['name']}: arguments are not a JSON object"
+        return "tool call", ""
+    if isinstance(message.get("content"), str):  # "" too: a model may stop at once (EOS)
+        return "message", ""
+    if any(isinstance(message.get(key), str) for key in ("reasoning_content", "reasoning")):
+        return "message", ""
+    return "", "neither tool_calls nor a content string"
+
+
+def check_chat(ctx: Context) -> CheckResult:
+    cid, title = "API-004", "Chat completion (and a tool call where enabled)"
+    role = ctx.role("vllm_service")
+    tools_enabled = str(role.get("tool_calling", False)).lower() == "true"
+    expected = "assistant message" + (" + tool call or message" if tools_enabled else "")
+    if ctx.no_completion:
+        return CheckResult(cid, title, "skip", expected, "", "--no-completion")
+    name = str(role.get("served_model_name", ""))
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+    def ask(extra: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+        status, body = _http(ctx, "/v1/chat/completions", {"model": name, "messages": messages, **extra})
+        if status != 200:
+            return None, f"HTTP {status}: {body[:200].decode(errors='replace')}"
+        reply = json.loads(body)
+        choices = reply.get("choices") or [{}]
+        return reply, "" if choices[0].get("message") is not None else "no message in the answer"
+
+    def probe() -> CheckResult:
+        start = time.monotonic()
+        reply, problem = ask({"max_tokens": 8, "temperature": 0})
+        ms = (time.monotonic() - start) * 1000
+        if reply is None or problem:
+            return CheckResult(cid, title, "fail", expected, "chat", problem)
+        tokens = int(reply.get("usage", {}).get("completion_tokens") or 0)
+        kind, problem = classify_chat_message(reply["choices"][0]["message"], set())
+        found = f"chat: {tokens} tokens in {ms:.0f} ms"
+        if problem or kind != "message" or tokens < 1:
+            return CheckResult(cid, title, "fail", expected, found, problem or "the server answered with no tokens")
+        if not tools_enabled:
+            return CheckResult(cid, title, "pass", expected, found, "")
+        # temperature 0: the same server gives the same answer on every run of verify.
+        reply, problem = ask({"max_tokens": 16, "temperature": 0, "tools": [PROBE_TOOL], "tool_choice": "auto"})
+        if reply is None or problem:
+            return CheckResult(cid, title, "fail", expected, f"{found}; tools", problem)
+        kind, problem = classify_chat_message(reply["choices"][0]["message"], {PROBE_TOOL["function"]["name"]})
+        found += f"; tools: {kind or 'no answer'}"
+        return CheckResult(cid, title, "fail" if problem else "pass", expected, found, problem)
+
+    return _api_result(ctx, cid, title, expected, probe)
+
+
 # ------------------------------------------------------------------ model weights
 
 
@@ -695,6 +778,7 @@ CHECKS: list[tuple[str, str, str, Callable[[Context], CheckResult]]] = [
     ("API-001", "GET /health", "vllm_service", check_health),
     ("API-002", "GET /v1/models lists the served model", "vllm_service", check_models),
     ("API-003", "One real completion", "vllm_service", check_completion),
+    ("API-004", "Chat completion (and a tool call where enabled)", "vllm_service", check_chat),
     ("MDL-001", "Weights are sound safetensors", "model_weights", check_model_weights),
 ]
 CHECK_IDS = [cid for cid, _, _, _ in CHECKS]

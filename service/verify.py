@@ -10,8 +10,8 @@ Reads ``/etc/gptoss/verify.d/<role>.json`` (what each role promised). Keys per r
 - cpu_governor.json: governor                               -> CPU-001
 - nccl_env.json: variables ({NAME: value})                  -> ENV-001 (unit from vllm_service.json)
 - vllm_service.json: unit, max_restarts (default 3), argv, base_url, served_model_name, api_key_file,
-  inputs, stamp_file
-                                                            -> SVC-001..SVC-004, API-001..API-003
+  inputs, stamp_file, tool_calling
+                                                            -> SVC-001..SVC-004, API-001..API-004
 - model_weights.json: model_dir                             -> MDL-001
 
 Exit codes: 0 every check passed (skips and waived ones are fine), 1 a check failed (status fail),
@@ -196,7 +196,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config-dir", type=Path, default=DEFAULT_CONFIG_DIR)
     parser.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     parser.add_argument("--junit", metavar="PATH", help="also write JUnit XML here")
-    parser.add_argument("--no-completion", action="store_true", help="skip API-003 (one real completion)")
+    parser.add_argument("--no-completion", action="store_true", help="skip API-003 and API-004 (real completions)")
     parser.add_argument("--waivers", metavar="FILE", help="JSON list of {id, reason, expires?}")
     parser.add_argument("--only", metavar="ID,ID", help="run only these check IDs")
     parser.add_argument("--timeout", type=float, default=2.0, help="HTTP timeout per request, seconds")

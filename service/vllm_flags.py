@@ -6,8 +6,9 @@ a flag that the installed version does not know (or a value it rejects) fails he
 systemd restarts a server that would crash on it.
 
 Levels:
-  parse-only  every flag exists, every value passes vLLM's argparse types/choices and the serve
-              front-end checks. Model folder not needed.
+  parse-only  every flag exists, every value passes vLLM's argparse types/choices, the attention
+              backend and tool/reasoning parser names are in vLLM's registries, and the serve
+              front-end checks pass. Model folder not needed.
   full        parse-only plus `AsyncEngineArgs.from_cli_args(ns).create_engine_config()` against the
               model folder (pydantic range checks, cross-flag checks, model limits). Only done when
               this vLLM's platform can run the profile: a CPU build accepts TRITON_ATTN in its
@@ -286,6 +287,31 @@ def check_attention_backend(namespace: argparse.Namespace) -> list[FlagError]:
     return []
 
 
+def check_parser_names(namespace: argparse.Namespace) -> list[FlagError]:
+    """--tool-call-parser and --reasoning-parser are free strings to argparse; vLLM looks them up in
+    its parser registries only when the server starts. Check them against those registries here.
+    A plugin file (--tool-parser-plugin / --reasoning-parser-plugin) registers names at start, so a
+    name is not judged when its plugin option is given."""
+    errors: list[FlagError] = []
+    tool_parser = getattr(namespace, "tool_call_parser", None)
+    if tool_parser and not getattr(namespace, "tool_parser_plugin", None):
+        from vllm.tool_parsers import ToolParserManager
+
+        known = ToolParserManager.list_registered()
+        if tool_parser not in known:
+            errors.append(FlagError("--tool-call-parser", f"invalid value '{tool_parser}' (valid: {', '.join(known)})"))
+    reasoning_parser = getattr(namespace, "reasoning_parser", None)
+    if reasoning_parser and not getattr(namespace, "reasoning_parser_plugin", None):
+        from vllm.reasoning import ReasoningParserManager
+
+        known = ReasoningParserManager.list_registered()
+        if reasoning_parser not in known:
+            errors.append(
+                FlagError("--reasoning-parser", f"invalid value '{reasoning_parser}' (valid: {', '.join(known)})")
+            )
+    return errors
+
+
 def check_serve_args(namespace: argparse.Namespace, argv: list[str]) -> list[FlagError]:
     """vLLM's own pre-start checks of the serve front end (chat template, tool parser pairs...)."""
     try:
@@ -399,7 +425,7 @@ def validate(argv: list[str], model_dir: str, full: bool = True) -> list[FlagErr
     namespace, errors = parse(parser, argv)
     if namespace is None:
         return errors
-    errors = check_attention_backend(namespace) + check_serve_args(namespace, argv)
+    errors = check_attention_backend(namespace) + check_parser_names(namespace) + check_serve_args(namespace, argv)
     if errors or not full:
         return errors
     if not (Path(model_dir) / "config.json").is_file():

@@ -507,3 +507,46 @@ def test_full_local_run_is_well_under_two_seconds(tmp_path, api_server, tmpfs_mo
     assert len(report["results"]) == len(checks.CHECK_IDS)
     print(f"[timing] full local verify run: {wall:.2f}s wall, {report['duration_s']}s in checks")
     assert wall < 2.0
+
+
+# ------------------------------------------------------------------ API-004 answer shapes
+
+
+def call(name: str, arguments: str) -> dict:
+    return {"id": "c1", "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        ({"role": "assistant", "content": "It is sunny."}, ("message", "")),
+        ({"role": "assistant", "content": ""}, ("message", "")),  # stopped at once: still a message
+        ({"role": "assistant", "content": None, "reasoning_content": "The user asks"}, ("message", "")),
+        ({"role": "assistant", "content": None, "tool_calls": [call("get_weather", '{"city": "Paris"}')]},
+         ("tool call", "")),
+    ],
+)
+def test_chat_answers_that_are_well_formed(message, expected):
+    assert checks.classify_chat_message(message, {"get_weather"}) == expected
+
+
+@pytest.mark.parametrize(
+    ("message", "problem"),
+    [
+        ({"role": "assistant", "tool_calls": [call("rm_rf", "{}")]}, "call of an unknown tool"),
+        ({"role": "assistant", "tool_calls": [call("get_weather", '{"city": ')]}, "arguments are not JSON"),
+        ({"role": "assistant", "tool_calls": [call("get_weather", '["Paris"]')]}, "not a JSON object"),
+        ({"role": "assistant", "tool_calls": ["get_weather"]}, "call of an unknown tool"),
+        ({"role": "assistant", "content": None}, "neither tool_calls nor a content string"),
+        ({"role": "assistant"}, "neither tool_calls nor a content string"),
+        ("It is sunny.", "message is str"),
+    ],
+)
+def test_chat_answers_that_are_broken_name_the_problem(message, problem):
+    _, found = checks.classify_chat_message(message, {"get_weather"})
+    assert problem in found
+
+
+def test_chat_check_skips_with_no_completion(tmp_path, api_server):
+    res = checks.check_chat(ctx_for(api_roles(api_server, tmp_path), no_completion=True))
+    assert (res.id, res.status, res.reason) == ("API-004", "skip", "--no-completion")

@@ -84,6 +84,9 @@ def test_profiles_have_the_documented_shape_and_leave_out_injected_flags():
     for flags in (x2, dp2):
         assert flags["kv-cache-dtype"] == "auto" and flags["attention-backend"] == "TRITON_ATTN"
         assert flags["disable-custom-all-reduce"] is True
+        # gpt-oss as its users call it: harmony tool calls, reasoning split out, async scheduling.
+        assert flags["tool-call-parser"] == "openai" and flags["enable-auto-tool-choice"] is True
+        assert flags["reasoning-parser"] == "openai_gptoss" and flags["async-scheduling"] is True
 
 
 def test_render_cli_injects_model_host_port_first(tmp_path):
@@ -237,6 +240,12 @@ def api_results(tiny_model) -> dict:
         },
         "misspelt": {"flags": {"enable-chunked-prefil": True, "enforce-eager": True}, "full": False},
         "type": {"flags": {"block-size": "sixteen"}, "full": False},
+        "parser-names": {
+            "flags": {"tool-call-parser": "opneai", "enable-auto-tool-choice": True, "reasoning-parser": "gptoss"},
+            "full": False,
+        },
+        "auto-tool-alone": {"flags": {"enable-auto-tool-choice": True}, "full": False},
+        "async-value": {"flags": {"async-scheduling": "yes"}, "full": False},
         "backend-env": {
             "flags": {"attention-backend": "TRITON_ATTN_V2"},
             "full": False,
@@ -262,6 +271,21 @@ def test_gpu_profiles_parse_cleanly_and_are_parse_only_on_a_cpu_build(api_result
         assert api_results[name]["errors"] == []
         assert "TRITON_ATTN" in api_results[name]["blocker"]
     assert api_results["cpu-lab"] == {"errors": [], "blocker": None}
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_gpt_oss_parser_flags_are_checked_against_vllms_registries(api_results):
+    # argparse takes any string for both; without the registry check a typo would pass validation
+    # and crash the unit at start.
+    tool, reasoning = api_results["parser-names"]["errors"]
+    assert tool.startswith("--tool-call-parser: invalid value 'opneai' (valid: ") and " openai," in tool
+    assert reasoning.startswith("--reasoning-parser: invalid value 'gptoss' (valid: ")
+    assert "openai_gptoss" in reasoning
+    # vLLM's own serve check: auto tool choice without a parser.
+    [auto] = api_results["auto-tool-alone"]["errors"]
+    assert "--enable-auto-tool-choice requires --tool-call-parser" in auto
+    assert api_results["async-value"]["errors"] == ["--async-scheduling: takes no value, got 'yes'"]
 
 
 @pytest.mark.vllm
