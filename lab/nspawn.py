@@ -531,11 +531,8 @@ def destroy(state: LabState) -> None:
 
 
 def remove_zram(device: str) -> None:
-    """Give the zram device back; right after umount the kernel can still call it busy for a moment.
-
-    On a loaded machine that moment lasted longer than 10 s (seen twice: the device, and the RAM that
-    holds the lab's root, stayed allocated), so wait up to 60 s."""
-    for _ in range(240):
+    """Give the zram device back; right after umount the kernel can still call it busy for a moment."""
+    for _ in range(40):
         try:
             (ZRAM_CONTROL / "hot_remove").write_text(device.removeprefix("/dev/zram"))
             return
