@@ -476,9 +476,12 @@ def _reap(pid: int) -> None:
 
 def up(name: str, release: str | None = None) -> tuple[LabState, str]:
     """Boot the lab `name` with `release` (default: GPTOSS_LAB_RELEASE, else bookworm); a no-op if
-    it is already running. Returns (state, what happened)."""
-    release = requested_release(release)
+    it is already running. Returns (state, what happened). An existing lab asked for no release
+    keeps its own."""
     existing = load_state(name)
+    if existing and not (release or os.environ.get("GPTOSS_LAB_RELEASE")):
+        release = existing.release
+    release = requested_release(release)
     if existing and existing.release != release:
         raise LabError(f"lab {name!r} runs {existing.release}, not {release}: run lab.down first "
                        f"(or pick another name with GPTOSS_LAB)")
