@@ -36,12 +36,13 @@ def _lab_errors(func):
     return wrapper
 
 
-@task(name="up")
+@task(name="up", help={"release": "Debian release: bookworm (12, the default) or trixie (13); "
+                                  "default: $GPTOSS_LAB_RELEASE, else bookworm"})
 @_lab_errors
-def lab_up(c, name=None):
-    """Boot the lab host (Debian 12 under systemd-nspawn); a no-op when it is already up."""
-    state, what = nspawn.up(name or lab_name())
-    print(f"lab {state.name}: {what}; ssh root@{state.address} -p {state.ssh_port}")
+def lab_up(c, name=None, release=None):
+    """Boot the lab host (Debian 12 or 13 under systemd-nspawn); a no-op when it is already up."""
+    state, what = nspawn.up(name or lab_name(), release)
+    print(f"lab {state.name} ({state.release}): {what}; ssh root@{state.address} -p {state.ssh_port}")
 
 
 @task(name="down")

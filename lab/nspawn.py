@@ -1,4 +1,4 @@
-"""The lab host: a real Debian 12 machine booted with systemd-nspawn.
+"""The lab host: a real Debian machine (12 bookworm or 13 trixie) booted with systemd-nspawn.
 
 systemd runs as PID 1 inside, sshd listens on a loopback address and port of
 the lab's own, and a loop-attached ext4 image is bound in as the model disk.
@@ -34,6 +34,11 @@ ROOTFS_PACKAGES = [
     "sudo", "ca-certificates", "procps", "kmod", "e2fsprogs", "curl",
     "grub2-common", "grub-pc-bin", "linux-image-cloud-amd64",
 ]
+DEFAULT_RELEASE = "bookworm"
+# The Debian releases the lab boots: each has its own cached rootfs (lab-rootfs-<release>-v<N>.tar),
+# so a change for one release never invalidates the other's cache. Both take the same package list:
+# every name in it exists under the same name in bookworm and in trixie.
+RELEASE_ROOTFS_VERSIONS = {"bookworm": ROOTFS_VERSION, "trixie": 1}
 MODEL_DISK_SIZE = "2G"
 # The root file system lives on a block device of its own, bound into the lab. A zram device
 # (compressed RAM) is preferred: grub-probe treats it as a plain disk, so the real update-grub
@@ -59,6 +64,7 @@ class LabState:
     loop_device: str = ""
     root_loop_device: str = ""
     root_zram_device: str = ""
+    release: str = DEFAULT_RELEASE
     started_at: float = 0.0
     boot_seconds: float = 0.0
     extra: dict = field(default_factory=dict)
@@ -158,7 +164,11 @@ def allocate_address(name: str) -> tuple[str, int]:
 
 
 def debian_mirror() -> str:
-    """The Debian mirror this machine's apt already uses (never a hard-coded host)."""
+    """The Debian mirror this machine's apt already uses (never a hard-coded host).
+
+    Any source line for a release the lab knows counts: one Debian mirror serves every release,
+    so a bookworm controller's mirror also serves a trixie lab (and the other way round).
+    """
     if os.environ.get("GPTOSS_LAB_MIRROR"):
         return os.environ["GPTOSS_LAB_MIRROR"]
     candidates: list[str] = []
@@ -166,7 +176,7 @@ def debian_mirror() -> str:
         if not path.is_file():
             continue
         text = path.read_text(errors="replace")
-        if "bookworm" not in text:
+        if not any(release in text for release in RELEASE_ROOTFS_VERSIONS):
             continue
         for line in text.splitlines():
             words = line.split()
@@ -177,16 +187,28 @@ def debian_mirror() -> str:
     for uri in candidates:
         if uri.rstrip("/").endswith("/debian"):
             return uri
-    raise LabError("no Debian bookworm mirror found in apt sources; set GPTOSS_LAB_MIRROR")
+    known = ", ".join(RELEASE_ROOTFS_VERSIONS)
+    raise LabError(f"no Debian mirror ({known}) found in apt sources; set GPTOSS_LAB_MIRROR")
 
 
-def rootfs_tarball() -> Path:
-    return CACHE_DIR / f"lab-rootfs-bookworm-v{ROOTFS_VERSION}.tar"
+def check_release(release: str) -> str:
+    if release not in RELEASE_ROOTFS_VERSIONS:
+        raise LabError(f"lab release {release!r}: the lab boots {', '.join(RELEASE_ROOTFS_VERSIONS)}")
+    return release
 
 
-def ensure_rootfs_cache() -> tuple[Path, bool]:
-    """Build the debootstrap rootfs once and keep it as a tarball. Returns (path, was_cached)."""
-    tarball = rootfs_tarball()
+def requested_release(release: str | None = None) -> str:
+    """The release asked for: the argument, else GPTOSS_LAB_RELEASE, else bookworm."""
+    return check_release(release or os.environ.get("GPTOSS_LAB_RELEASE") or DEFAULT_RELEASE)
+
+
+def rootfs_tarball(release: str = DEFAULT_RELEASE) -> Path:
+    return CACHE_DIR / f"lab-rootfs-{release}-v{RELEASE_ROOTFS_VERSIONS[check_release(release)]}.tar"
+
+
+def ensure_rootfs_cache(release: str = DEFAULT_RELEASE) -> tuple[Path, bool]:
+    """Build the release's debootstrap rootfs once and keep it as a tarball. Returns (path, was_cached)."""
+    tarball = rootfs_tarball(release)
     if tarball.exists():
         return tarball, True
     if shutil.which("debootstrap") is None:
@@ -196,7 +218,7 @@ def ensure_rootfs_cache() -> tuple[Path, bool]:
     shutil.rmtree(build_dir, ignore_errors=True)
     try:
         run(["debootstrap", "--variant=minbase", "--include=" + ",".join(ROOTFS_PACKAGES),
-             "bookworm", str(build_dir), debian_mirror()], capture_output=True)
+             release, str(build_dir), debian_mirror()], capture_output=True)
         # Per-lab identity is created at lab.up, not baked into the shared cache.
         for key in (build_dir / "etc/ssh").glob("ssh_host_*"):
             key.unlink()
@@ -264,9 +286,10 @@ def configure_rootfs(state: LabState) -> None:
     # apt inside the lab uses the same mirror as this machine.
     if Path("/etc/resolv.conf").exists():
         shutil.copy("/etc/resolv.conf", root / "etc/resolv.conf")
+    release = state.release
     (root / "etc/apt/sources.list").write_text(
-        f"deb {debian_mirror()} bookworm main contrib non-free non-free-firmware\n"
-        f"deb {debian_mirror()} bookworm-updates main contrib non-free non-free-firmware\n"
+        f"deb {debian_mirror()} {release} main contrib non-free non-free-firmware\n"
+        f"deb {debian_mirror()} {release}-updates main contrib non-free non-free-firmware\n"
     )
     # Units that cannot work in a container and only make the boot "degraded".
     for unit in ("systemd-networkd-wait-online.service", "systemd-timesyncd.service",
@@ -451,23 +474,31 @@ def _reap(pid: int) -> None:
 # ---------------------------------------------------------------- public operations
 
 
-def up(name: str) -> tuple[LabState, str]:
-    """Boot the lab `name`; a no-op if it is already running. Returns (state, what happened)."""
+def up(name: str, release: str | None = None) -> tuple[LabState, str]:
+    """Boot the lab `name` with `release` (default: GPTOSS_LAB_RELEASE, else bookworm); a no-op if
+    it is already running. Returns (state, what happened). An existing lab asked for no release
+    keeps its own."""
     existing = load_state(name)
+    if existing and not (release or os.environ.get("GPTOSS_LAB_RELEASE")):
+        release = existing.release
+    release = requested_release(release)
+    if existing and existing.release != release:
+        raise LabError(f"lab {name!r} runs {existing.release}, not {release}: run lab.down first "
+                       f"(or pick another name with GPTOSS_LAB)")
     if existing and is_our_nspawn(existing):
         return existing, "already running"
     if existing:
         boot(existing)
         return existing, f"booted existing lab in {existing.boot_seconds}s"
     t0 = time.monotonic()
-    tarball, cached = ensure_rootfs_cache()
+    tarball, cached = ensure_rootfs_cache(release)
     t_rootfs = time.monotonic() - t0
     lab_dir = lab_dir_for(name)
     if lab_dir.exists():
         raise LabError(f"{lab_dir} exists without a state file; remove it or run lab.down")
     lab_dir.mkdir(parents=True)
     address, port = allocate_address(name)
-    state = LabState(name=name, address=address, ssh_port=port, lab_dir=str(lab_dir))
+    state = LabState(name=name, address=address, ssh_port=port, lab_dir=str(lab_dir), release=release)
     try:
         create_root_disk(state, tarball)
         configure_rootfs(state)
@@ -481,7 +512,7 @@ def up(name: str) -> tuple[LabState, str]:
     total = round(time.monotonic() - t0, 1)
     state.extra["up_seconds"] = total
     state.save()
-    how = "cached rootfs" if cached else "fresh debootstrap"
+    how = f"cached {release} rootfs" if cached else f"fresh {release} debootstrap"
     return state, f"lab up in {total}s ({how} {t_rootfs:.1f}s, boot {state.boot_seconds}s)"
 
 
@@ -552,6 +583,7 @@ def inventory(name: str) -> dict:
     if state is None:
         return {"_meta": {"hostvars": {}}, "lab": {"hosts": []}, "gptoss_hosts": {"children": ["lab"]}}
     host = state.machine_name
+    release_group = f"lab_{state.release}"
     hostvars = {
         "ansible_host": state.address,
         "ansible_port": state.ssh_port,
@@ -559,8 +591,12 @@ def inventory(name: str) -> dict:
         "ansible_ssh_private_key_file": str(state.key_file),
         "gptoss_lab_name": state.name,
         "gptoss_lab_address": state.address,
+        # Which Debian release the lab runs; group_vars/lab_<release>.yml holds what differs per release.
+        "gptoss_lab_release": state.release,
         "model_mount_device": state.loop_device,
         # update-grub works only where grub-probe can resolve the lab's root device (zram).
         "gptoss_lab_grub_probe_works": bool(state.root_zram_device),
     }
-    return {"_meta": {"hostvars": {host: hostvars}}, "lab": {"hosts": [host]}, "gptoss_hosts": {"children": ["lab"]}}
+    # lab_<release> is a child of lab, so its group_vars override lab.yml's.
+    return {"_meta": {"hostvars": {host: hostvars}}, "lab": {"hosts": [host], "children": [release_group]},
+            release_group: {"hosts": [host]}, "gptoss_hosts": {"children": ["lab"]}}

@@ -479,6 +479,11 @@ def check_nccl_env(ctx: Context) -> CheckResult:
     cid, title = "ENV-001", "NCCL variables in the running vLLM processes"
     variables = {str(k): str(v) for k, v in ctx.role("nccl_env").get("variables", {}).items()}
     expected = " ".join(f"{k}={v}" for k, v in variables.items())
+    if "vllm_service" not in ctx.roles:
+        # A host that runs the tuning roles without the service (e.g. Debian 13, where the pinned
+        # build has no wheels for its Python) has no process these variables could be read from.
+        return CheckResult(cid, title, "skip", expected, "",
+                           "no vLLM service on this host (verify.d/vllm_service.json absent)")
     try:
         main_pid = ctx.main_pid()
         pids = process_tree(main_pid)

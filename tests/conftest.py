@@ -19,6 +19,8 @@ sys.path.insert(0, str(ROOT))
 from lab import nspawn  # noqa: E402
 
 LAB_NAME = os.environ.get("GPTOSS_TEST_LAB", "pytest")
+# The Debian 13 lab of the session (tests/test_trixie.py); booted only when such a test is selected.
+TRIXIE_LAB_NAME = os.environ.get("GPTOSS_TEST_TRIXIE_LAB", f"{LAB_NAME}-trixie")
 VENV_BIN = ROOT / ".venv" / "bin"
 TIMINGS_FILE = ROOT / ".cache" / "timings.json"
 
@@ -104,19 +106,36 @@ def lab_assets() -> None:
         assert result.returncode == 0, f"invoke {task} failed:\n{result.stdout}\n{result.stderr}"
 
 
+def boot_session_lab(name: str, release: str) -> nspawn.LabState:
+    """A fresh lab of `release` named `name` (an old one of that name is removed first)."""
+    if nspawn.load_state(name) is not None:
+        nspawn.down(name)
+    started = time.monotonic()
+    state, what = nspawn.up(name, release)
+    prefix = "lab_up" if release == nspawn.DEFAULT_RELEASE else f"lab_up_{release}"
+    record_timing(f"{prefix}_cached" if state.extra.get("rootfs_cached") else f"{prefix}_cold",
+                  time.monotonic() - started)
+    print(f"lab: {what}")
+    return state
+
+
 @pytest.fixture(scope="session")
 def fresh_lab(lab_assets) -> Lab:
     """A lab booted for this session (removed at the end unless GPTOSS_KEEP_LAB=1)."""
-    existing = nspawn.load_state(LAB_NAME)
-    if existing is not None:
-        nspawn.down(LAB_NAME)
-    started = time.monotonic()
-    state, what = nspawn.up(LAB_NAME)
-    record_timing("lab_up_cached" if state.extra.get("rootfs_cached") else "lab_up_cold", time.monotonic() - started)
-    print(f"lab: {what}")
+    state = boot_session_lab(LAB_NAME, nspawn.DEFAULT_RELEASE)
     yield Lab(state)
     if os.environ.get("GPTOSS_KEEP_LAB") != "1":
         nspawn.down(LAB_NAME)
+
+
+@pytest.fixture(scope="session")
+def trixie_lab(lab_assets) -> Lab:
+    """A Debian 13 (trixie) lab for this session, next to `fresh_lab` (removed at the end unless
+    GPTOSS_KEEP_LAB=1). Its inventory group lab_trixie switches off the roles that need vLLM."""
+    state = boot_session_lab(TRIXIE_LAB_NAME, "trixie")
+    yield Lab(state)
+    if os.environ.get("GPTOSS_KEEP_LAB") != "1":
+        nspawn.down(TRIXIE_LAB_NAME)
 
 
 WATCHED_PATHS = ["/etc/fstab", "/etc/default/grub.d/60-gptoss.cfg", "/etc/gptoss/nccl.env",
@@ -133,20 +152,30 @@ class Converge:
     second: PlayResult
 
 
-@pytest.fixture(scope="session")
-def converged(fresh_lab: Lab) -> Converge:
+def converge_three_ways(lab: Lab, timing_prefix: str = "") -> Converge:
     """--check --diff on the fresh lab, then a full converge, then a second (idempotence) run."""
-    lab = fresh_lab
     before = lab.checksums(*WATCHED_PATHS)
     check_run = lab.play("site.yml", "--check", "--diff")
     after = lab.checksums(*WATCHED_PATHS)
-    record_timing("check_mode_fresh", check_run.seconds)
+    record_timing(f"{timing_prefix}check_mode_fresh", check_run.seconds)
     first = lab.play("site.yml")
     assert first.rc == 0, f"converge failed:\n{first.output[-6000:]}"
-    record_timing("converge_full", first.seconds)
+    record_timing(f"{timing_prefix}converge_full", first.seconds)
     second = lab.play("site.yml")
-    record_timing("converge_noop", second.seconds)
+    record_timing(f"{timing_prefix}converge_noop", second.seconds)
     return Converge(before, after, check_run, first, second)
+
+
+@pytest.fixture(scope="session")
+def converged(fresh_lab: Lab) -> Converge:
+    """--check --diff on the fresh lab, then a full converge, then a second (idempotence) run."""
+    return converge_three_ways(fresh_lab)
+
+
+@pytest.fixture(scope="session")
+def trixie_converged(trixie_lab: Lab) -> Converge:
+    """The same three runs of site.yml on the Debian 13 lab (host tuning; no vLLM there)."""
+    return converge_three_ways(trixie_lab, "trixie_")
 
 
 @pytest.fixture(scope="session")

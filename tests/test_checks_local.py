@@ -278,13 +278,21 @@ def vllm_like_tree():
 def test_env_check_walks_children_and_names_the_pid(vllm_like_tree):
     parent, child = vllm_like_tree
     assert checks.process_tree(parent) == sorted([parent, child])
-    ok = checks.check_nccl_env(ctx_for({"nccl_env": {"variables": {"NCCL_P2P_DISABLE": "1"}}}, main_pid=parent))
+    ok = checks.check_nccl_env(ctx_for({"nccl_env": {"variables": {"NCCL_P2P_DISABLE": "1"}}, "vllm_service": {}},
+                                       main_pid=parent))
     assert ok.status == "pass" and "2 process(es)" in ok.found
-    bad = checks.check_nccl_env(ctx_for({"nccl_env": {"variables": {"NCCL_IB_DISABLE": "1", "NCCL_ALGO": "Ring"}}},
-                                        main_pid=parent))
+    bad = checks.check_nccl_env(ctx_for({"nccl_env": {"variables": {"NCCL_IB_DISABLE": "1", "NCCL_ALGO": "Ring"}},
+                                         "vllm_service": {}}, main_pid=parent))
     assert bad.status == "fail"
     assert f"PID {child}: NCCL_IB_DISABLE='0' (want '1')" in bad.reason
     assert f"PID {parent}: NCCL_ALGO missing" in bad.reason
+
+
+def test_env_check_skips_where_no_vllm_service_was_applied(vllm_like_tree):
+    parent, _ = vllm_like_tree
+    # Even with a live process to read, no vllm_service.json means no service these variables are for.
+    result = checks.check_nccl_env(ctx_for({"nccl_env": {"variables": {"NCCL_P2P_DISABLE": "1"}}}, main_pid=parent))
+    assert result.status == "skip" and "vllm_service.json absent" in result.reason
 
 
 def test_svc_checks_without_systemd_report_error_not_crash():
