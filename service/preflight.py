@@ -100,7 +100,7 @@ def python_satisfies(version: str, requires: str) -> bool:
 
 
 def human_bytes(value: float) -> str:
-    return f"{value / GIB:.1f} GiB" if value >= GIB / 10 else f"{value / 1024 ** 2:.1f} MiB"
+    return f"{value / GIB:.1f} GiB" if value >= GIB else f"{value / 1024 ** 2:.1f} MiB"
 
 
 # ------------------------------------------------------------------ memory fit (vLLM's own rules)
