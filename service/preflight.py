@@ -58,23 +58,6 @@ class Item:
 # ------------------------------------------------------------------ small rules
 
 
-def package_driver_version(package_version: str) -> str:
-    """A Debian/Ubuntu package version -> the driver version it carries.
-
-    '535.247.01-1~deb12u1' -> '535.247.01'; '1:580.95.05-0ubuntu1' -> '580.95.05'; the epoch and the
-    Debian revision are packaging, not the driver's version.
-    """
-    upstream = package_version.split(":", 1)[-1].split("-", 1)[0]
-    match = re.match(r"\d+(?:\.\d+)*", upstream)
-    if not match:
-        raise ValueError(f"{package_version!r} does not start with a driver version")
-    return match.group(0)
-
-
-def version_at_least(version: str, minimum: str) -> bool:
-    return nvidia.version_tuple(version) >= nvidia.version_tuple(minimum)
-
-
 def python_satisfies(version: str, requires: str) -> bool:
     """'3.11.2' against a Requires-Python specifier set such as '>=3.10,<3.14' (PEP 440 subset:
     ==, !=, >=, <=, >, <, ~= and trailing .* on == / !=, numeric release parts only)."""
@@ -209,49 +192,55 @@ def memory_fit(model: dict[str, Any] | None, flags: dict[str, Any], gpu_memory: 
 # ------------------------------------------------------------------ driver decision
 
 
-def driver_plan(*, running: str | None, required: str | None, required_why: str, candidates: list[dict] | None,
-                install: bool, reboot_ok: bool, gpu_present: bool, evaluate: bool,
-                candidates_reason: str = "") -> tuple[Item, bool]:
-    """Running driver vs the derived minimum and what each configured source offers.
+def _offer_text(package: dict[str, Any]) -> str:
+    """One package of gptoss.host.apt_candidate's answer in words."""
+    if not package.get("candidate"):
+        return f"{package.get('name')}: no configured source offers it"
+    text = (f"{package['name']} {package['candidate']} from "
+            f"{', '.join(package.get('candidate_sources') or []) or 'an installed package'}")
+    if not package.get("candidate_meets") and package.get("best_offer"):
+        text += f" (pinned below {package['best_offer']} from {', '.join(package.get('best_offer_sources') or [])})"
+    return text
 
-    Returns the item and whether a reboot will be needed. `evaluate` is False on a host without a GPU
-    where none is required (the role skips the driver there); the plan is still shown.
+
+def driver_plan(*, running: str | None, required: str | None, required_why: str, apt: dict[str, Any] | None,
+                install: bool, reboot_ok: bool, evaluate: bool, apt_reason: str = "",
+                fix: str = "") -> tuple[Item, bool]:
+    """Running driver vs the derived minimum, and what apt would install from the configured sources.
+
+    `apt` is the answer of the gptoss.host.apt_candidate module (read-only: no refresh) for the
+    packages that carry the driver's version: its `ok` is the one rule "every candidate reaches the
+    requirement" that the role applies before installing. Returns the item and whether a reboot will
+    be needed. `evaluate` is False on a host without a GPU where none is required (the role installs
+    nothing there); the plan is shown all the same.
     """
-    iid, title = "DRV", "Driver: running vs required, candidates per source"
-    offers = []
-    best: tuple[dict, str] | None = None
-    for cand in candidates or []:
-        version = cand.get("version")
-        if not version:
-            offers.append(f"{cand.get('package')}: no candidate ({cand.get('source') or 'no source'})")
-            continue
-        driver = package_driver_version(str(version))
-        offers.append(f"{cand.get('package')} {version} from {cand.get('source') or '?'}")
-        if required and version_at_least(driver, required) and (best is None or
-                                                                 version_at_least(driver, best[1])):
-            best = (cand, driver)
-    found = f"running {running or 'none'}; candidates: " + ("; ".join(offers) if candidates is not None
-                                                             else f"unknown ({candidates_reason or 'not read'})")
+    iid, title = "DRV", "Driver: running vs required, apt candidate per source"
+    if apt is not None:
+        offers = "; ".join(_offer_text(p) for p in apt.get("packages", [])) or "no packages"
+        offers += "".join(f"; {u['url']} not readable: {u['reason']}" for u in apt.get("unreadable_sources", []))
+    else:
+        offers = f"unknown ({apt_reason or 'not read'})"
+    found = f"running {running or 'none'}; candidates: {offers}"
     need = f">= {required} ({required_why})" if required else f"unknown ({required_why})"
     if not required:
         return Item(iid, title, "unknown", found, need, "the minimum driver could not be derived"), False
-    if running and version_at_least(running, required):
+    if running and nvidia.version_tuple(running) >= nvidia.version_tuple(required):
         return Item(iid, title, "ok", found, need), False
+    can_install = apt is not None and bool(apt.get("ok"))
     if not evaluate:
         return Item(iid, title, "skip", found, need,
                     "no GPU and none required (nvidia_driver_require_gpu: false): the role installs nothing"
-                    + ("" if best else "; on a GPU host no configured source would have it")), False
+                    + ("" if can_install else "; on a GPU host no configured source would have it")), False
     if not install:
         return Item(iid, title, "blocked", found, need,
                     f"driver {running or 'none'} is below {required} and nvidia_driver_install is false"), False
-    if candidates is None:
+    if apt is None:
         return Item(iid, title, "unknown", found, need, "what apt would install is not known"), False
-    if best is None:
+    if not can_install:
         return Item(iid, title, "blocked", found, need,
-                    f"no configured source offers a driver >= {required}: add one that does (NVIDIA's CUDA apt "
-                    "repository, or a mirror of it; see roles/nvidia_driver/defaults)"), False
-    cand, driver = best
-    action = f"install {cand.get('package')} {cand.get('version')} from {cand.get('source')}"
+                    f"no configured source offers a driver >= {required} for every driver package"
+                    + (f". Fix: {fix}" if fix else "")), False
+    action = "install " + ", ".join(f"{p['name']} {p['candidate']}" for p in apt.get("packages", []))
     if reboot_ok:
         return Item(iid, title, "will-change", found, need, f"{action}, then reboot (nvidia_driver_reboot_ok)"), True
     return Item(iid, title, "blocked", found, need,
@@ -528,15 +517,15 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     if driver_enabled:
         item, needs_reboot = driver_plan(
             running=running, required=driver_cfg.get("required"), required_why=driver_cfg.get("required_why", ""),
-            candidates=driver_cfg.get("candidates"), candidates_reason=driver_cfg.get("candidates_reason", ""),
+            apt=driver_cfg.get("apt"), apt_reason=driver_cfg.get("apt_reason", ""), fix=driver_cfg.get("fix", ""),
             install=bool(driver_cfg.get("install", True)), reboot_ok=bool(driver_cfg.get("reboot_ok")),
-            gpu_present=gpu_present,
-            evaluate=gpu_present or require_gpu or bool(driver_cfg.get("evaluate_without_gpu")))
+            # nvidia_driver_skip_gpu_check (lab/test only) walks the install decision without a GPU, as the role does.
+            evaluate=gpu_present or require_gpu or bool(driver_cfg.get("skip_gpu_check")))
         items.append(item)
         if needs_reboot:
             reboot.append("driver")
     else:
-        items.append(Item("DRV", "Driver: running vs required, candidates per source", "skip", "", "",
+        items.append(Item("DRV", "Driver: running vs required, apt candidate per source", "skip", "", "",
                           "nvidia_driver_enabled: false"))
     item, pending = kernel_flags_item(cfg.get("kernel_cmdline", {}), Path("/proc/cmdline").read_text(), proc_driver)
     items.append(item)

@@ -132,39 +132,54 @@ def test_model_info_reads_config_and_weight_bytes(tmp_path):
 
 
 # ------------------------------------------------------------------ driver decision
+# `apt` below has the shape of gptoss.host.apt_candidate's answer (CandidateDecision.as_dict), with the
+# candidate the Debian 12 archive really offers (apt-cache policy in the lab, 2026-12-03: 535.261.03-1).
+
+ARCHIVE_SOURCE = "http://debian-mirror.example/debian bookworm/non-free amd64 Packages"
 
 
-@pytest.mark.parametrize(("package", "driver"), [("535.247.01-1~deb12u1", "535.247.01"),
-                                                 ("1:580.95.05-0ubuntu1", "580.95.05"),
-                                                 ("580.65.06-1", "580.65.06")])
-def test_package_versions_carry_the_driver_version(package, driver):
-    assert preflight.package_driver_version(package) == driver
+def verdict(name, candidate, meets, sources=(ARCHIVE_SOURCE,), best=None):
+    return {"name": name, "known": candidate is not None, "installed": None, "candidate": candidate,
+            "candidate_sources": list(sources), "candidate_meets": meets, "best_offer": best,
+            "best_offer_sources": list(sources) if best else []}
 
 
-ARCHIVE = [{"source": "Debian archive (bookworm non-free)", "package": "nvidia-driver",
-            "version": "535.247.01-1~deb12u1"}]
-NVIDIA_REPO = [{"source": "NVIDIA CUDA repository", "package": "nvidia-open", "version": "580.95.05-1"}]
+ARCHIVE = {"required": "580.65.06", "ok": False, "unreadable_sources": [], "message": "refusing",
+           "packages": [verdict("nvidia-driver", "535.261.03-1", False),
+                        verdict("nvidia-open-kernel-dkms", "535.261.03-1", False)]}
+NVIDIA_REPO = {"required": "580.65.06", "ok": True, "unreadable_sources": [], "message": "ok",
+               "packages": [verdict("nvidia-driver-cuda", "580.95.05-1", True, ["https://repo.example/ Packages"],
+                                    "580.95.05-1")]}
 
 
 def plan(**overrides):
-    args = {"running": None, "required": "580.65.06", "required_why": "CUDA 13.0", "candidates": ARCHIVE,
-            "install": True, "reboot_ok": False, "gpu_present": True, "evaluate": True}
+    args = {"running": None, "required": "580.65.06", "required_why": "CUDA 13.0", "apt": ARCHIVE,
+            "install": True, "reboot_ok": False, "evaluate": True, "fix": "set nvidia_driver_source: nvidia"}
     return preflight.driver_plan(**{**args, **overrides})
 
 
 def test_archive_candidate_below_the_requirement_is_blocked_and_names_the_fix():
     item, reboot = plan()
     assert item.status == "blocked" and not reboot
-    assert "nvidia-driver 535.247.01-1~deb12u1 from Debian archive" in item.found
-    assert "no configured source offers a driver >= 580.65.06" in item.fix and "NVIDIA's CUDA apt" in item.fix
+    assert f"nvidia-driver 535.261.03-1 from {ARCHIVE_SOURCE}" in item.found
+    assert "no configured source offers a driver >= 580.65.06" in item.fix
+    assert item.fix.endswith("Fix: set nvidia_driver_source: nvidia")
 
 
 def test_a_source_with_the_branch_plans_the_install_and_the_reboot():
-    item, reboot = plan(candidates=ARCHIVE + NVIDIA_REPO, reboot_ok=True)
+    item, reboot = plan(apt=NVIDIA_REPO, reboot_ok=True)
     assert (item.status, reboot) == ("will-change", True)
-    assert "install nvidia-open 580.95.05-1 from NVIDIA CUDA repository" in item.fix
-    item, reboot = plan(candidates=NVIDIA_REPO, reboot_ok=False)
+    assert "install nvidia-driver-cuda 580.95.05-1" in item.fix
+    item, reboot = plan(apt=NVIDIA_REPO, reboot_ok=False)
     assert (item.status, reboot) == ("blocked", True) and "nvidia_driver_reboot_ok is false" in item.fix
+
+
+def test_unreadable_repository_and_pinned_offers_are_named():
+    pinned = {**ARCHIVE, "packages": [verdict("nvidia-driver", "535.261.03-1", False, best="580.95.05-1")],
+              "unreadable_sources": [{"url": "https://repo.example/", "reason": "Could not resolve"}]}
+    item, _ = plan(apt=pinned)
+    assert "pinned below 580.95.05-1" in item.found and "https://repo.example/ not readable: Could not resolve" \
+        in item.found
 
 
 def test_running_driver_new_enough_needs_nothing():
@@ -174,12 +189,12 @@ def test_running_driver_new_enough_needs_nothing():
 
 def test_unknown_requirement_or_candidates_are_not_guessed():
     assert plan(required=None)[0].status == "unknown"
-    item, _ = plan(candidates=None, candidates_reason="apt lists not read")
+    item, _ = plan(apt=None, apt_reason="apt lists not read")
     assert item.status == "unknown" and "apt lists not read" in item.found
 
 
 def test_no_gpu_and_none_required_is_skipped_but_still_explained():
-    item, _ = plan(gpu_present=False, evaluate=False)
+    item, _ = plan(evaluate=False)
     assert item.status == "skip" and "no configured source would have it" in item.fix
 
 
