@@ -120,11 +120,11 @@ lab.add_task(lab_model)
 # ---------------------------------------------------------------- provisioning
 
 
-def _ansible(c, command: str, inventory: str | None, warn: bool = False):
+def _ansible(c, command: str, inventory: str | None, warn: bool = False, hide: str | None = None):
     inv = f"-i {inventory} " if inventory else ""
     env = {"ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "GPTOSS_LAB": lab_name()}
     return c.run(f"{ROOT}/.venv/bin/{command.split()[0]} {inv}{' '.join(command.split()[1:])}", env=env,
-                 warn=warn, pty=False)
+                 warn=warn, pty=False, hide=hide)
 
 
 @task(help={"inventory": "inventory file (default: the lab)", "check": "--check --diff: change nothing",
@@ -187,6 +187,41 @@ def _verify_inventory(c, inventory, args) -> dict:
 
 
 ns.add_task(verify)
+
+
+# ---------------------------------------------------------------- preflight
+
+
+@task(help={"inventory": "inventory file (default: the lab)", "json": "print JSON instead of the table"})
+def preflight(c, inventory=None, json_=False):
+    """Before a converge: per host, what it would need and whether it can work. Changes nothing on any host.
+
+    Per host: OS, GPUs (PCI, NVML), running driver vs the required one and apt's candidate, kernel flags
+    pending, model disk (fstype, free space vs the model), venv space, Python, the profile's memory fit
+    (weights + KV cache of max-model-len vs each GPU at gpu-memory-utilization) and whether a reboot
+    will be needed. Exit 0 ready, 1 a host needs something the configuration does not allow (named),
+    2 a host was unreachable.
+    """
+    from service import preflight as preflight_mod
+
+    out_dir = ROOT / ".cache" / "preflight"
+    c.run(f"rm -rf {out_dir} && mkdir -p {out_dir}")
+    hosts = _inventory_hosts(c, inventory)
+    if not hosts:
+        raise Exit("preflight: the inventory has no hosts (is the lab up? `invoke lab.up`)", code=2)
+    extra = json.dumps({"preflight_out": str(out_dir)})
+    # With --json, stdout carries only the JSON (the play's own output stays hidden).
+    result = _ansible(c, f"ansible-playbook playbooks/preflight.yml -e '{extra}'", inventory, warn=True,
+                      hide="out" if json_ else None)
+    reports = {}
+    for host in hosts:
+        path = out_dir / f"{host}.json"
+        reports[host] = json.loads(path.read_text()) if path.exists() else {
+            "error": f"host {host} unreachable or the preflight could not run (ansible-playbook exit {result.exited})"}
+    raise Exit(code=preflight_mod.report_hosts(reports, as_json=json_))
+
+
+ns.add_task(preflight)
 
 
 # ---------------------------------------------------------------- quality and the main job

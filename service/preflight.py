@@ -248,6 +248,26 @@ def driver_plan(*, running: str | None, required: str | None, required_why: str,
                 "false: set it, or reboot by hand after the converge"), True
 
 
+def required_driver(cfg: dict[str, Any]) -> tuple[str | None, str]:
+    """The minimum driver and why: an explicit `required` (derived from the vLLM build by the caller),
+    else NVIDIA's table for nvidia_driver_cuda_version (service.nvidia, as detect.yml uses it), never
+    below nvidia_driver_floor."""
+    floor = str(cfg.get("floor") or nvidia.PROJECT_DRIVER_FLOOR)
+    if cfg.get("required"):
+        required, why = str(cfg["required"]), str(cfg.get("required_why") or "derived from the vLLM build")
+    else:
+        cuda = str(cfg.get("cuda_version") or "")
+        if not cuda or cuda == "auto":
+            return None, "nvidia_driver_cuda_version is auto and the vLLM build's CUDA version was not derived"
+        try:
+            required, why = nvidia.minimum_driver_for_cuda(cuda), f"CUDA {cuda}, nvidia_driver_cuda_version"
+        except ValueError as err:
+            return None, str(err)
+    if nvidia.version_tuple(floor) > nvidia.version_tuple(required):
+        return floor, f"nvidia_driver_floor {floor}"
+    return required, why
+
+
 # ------------------------------------------------------------------ host readers
 
 
@@ -515,8 +535,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         str(nvml["driver_version"]) if nvml.get("available") else None)
     reboot = []
     if driver_enabled:
+        required, required_why = required_driver(driver_cfg)
         item, needs_reboot = driver_plan(
-            running=running, required=driver_cfg.get("required"), required_why=driver_cfg.get("required_why", ""),
+            running=running, required=required, required_why=required_why,
             apt=driver_cfg.get("apt"), apt_reason=driver_cfg.get("apt_reason", ""), fix=driver_cfg.get("fix", ""),
             install=bool(driver_cfg.get("install", True)), reboot_ok=bool(driver_cfg.get("reboot_ok")),
             # nvidia_driver_skip_gpu_check (lab/test only) walks the install decision without a GPU, as the role does.

@@ -278,3 +278,14 @@ def test_report_exit_codes():
     assert preflight.report_hosts({"a": ready}) == 0
     assert preflight.report_hosts({"a": ready, "b": {**ready, "ready": False, "blocked": ["DRV"]}}) == 1
     assert preflight.report_hosts({"a": ready, "b": {"error": "unreachable"}}) == 2
+
+
+def test_required_driver_from_the_cuda_version_and_the_floor():
+    assert preflight.required_driver({"cuda_version": "13.0", "floor": "535"}) == (
+        "580.65.06", "CUDA 13.0, nvidia_driver_cuda_version")
+    assert preflight.required_driver({"cuda_version": "12.0", "floor": "535"})[0] == "535"
+    assert preflight.required_driver({"cuda_version": "auto"})[0] is None
+    assert preflight.required_driver({"cuda_version": "auto", "required": "580.65.06",
+                                      "required_why": "vllm 0.32.0 -> torch 2.13.0 -> CUDA 13.0"}) == (
+        "580.65.06", "vllm 0.32.0 -> torch 2.13.0 -> CUDA 13.0")
+    assert "not in the driver table" in preflight.required_driver({"cuda_version": "99.0"})[1]
