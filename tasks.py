@@ -192,8 +192,9 @@ ns.add_task(verify)
 # ---------------------------------------------------------------- preflight
 
 
-@task(help={"inventory": "inventory file (default: the lab)", "json": "print JSON instead of the table"})
-def preflight(c, inventory=None, json_=False):
+@task(help={"inventory": "inventory file (default: the lab)", "json": "print JSON instead of the table",
+            "extra": "extra ansible-playbook arguments, e.g. \"-e nvidia_driver_cuda_version=13.0\""})
+def preflight(c, inventory=None, json_=False, extra=""):
     """Before a converge: per host, what it would need and whether it can work. Changes nothing on any host.
 
     Per host: OS, GPUs (PCI, NVML), running driver vs the required one and apt's candidate, kernel flags
@@ -209,10 +210,10 @@ def preflight(c, inventory=None, json_=False):
     hosts = _inventory_hosts(c, inventory)
     if not hosts:
         raise Exit("preflight: the inventory has no hosts (is the lab up? `invoke lab.up`)", code=2)
-    extra = json.dumps({"preflight_out": str(out_dir)})
+    out_var = json.dumps({"preflight_out": str(out_dir)})
     # With --json, stdout carries only the JSON (the play's own output stays hidden).
-    result = _ansible(c, f"ansible-playbook playbooks/preflight.yml -e '{extra}'", inventory, warn=True,
-                      hide="out" if json_ else None)
+    result = _ansible(c, f"ansible-playbook playbooks/preflight.yml -e '{out_var}' {extra}".strip(), inventory,
+                      warn=True, hide="out" if json_ else None)
     reports = {}
     for host in hosts:
         path = out_dir / f"{host}.json"
