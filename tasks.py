@@ -217,8 +217,12 @@ def preflight(c, inventory=None, json_=False, extra=""):
     reports = {}
     for host in hosts:
         path = out_dir / f"{host}.json"
+        # Ansible's own words for this host (unreachable, or a failed task), so --json keeps the reason too.
+        why = [line.strip() for line in result.stdout.splitlines() if line.startswith(("fatal: [", "[ERROR]"))
+               and (f"[{host}]" in line or line.startswith("[ERROR]"))]
         reports[host] = json.loads(path.read_text()) if path.exists() else {
-            "error": f"host {host} unreachable or the preflight could not run (ansible-playbook exit {result.exited})"}
+            "error": f"host {host} unreachable or the preflight could not run (ansible-playbook exit {result.exited})"
+                     + (": " + " ".join(why)[:600] if why else "")}
     raise Exit(code=preflight_mod.report_hosts(reports, as_json=json_))
 
 

@@ -11,7 +11,8 @@ Each item has a status:
   unknown      could not be decided (the reason says what is missing)
   skip         not evaluated (role disabled, no GPU, ...)
 
-Usage: `check [--input FILE] [--json]` (this host), `model-info DIR` (a model folder as JSON).
+Usage: `check [--input FILE] [--json]` (this host), `model-info DIR` (a model folder as JSON),
+`required-driver --cuda X.Y [--floor N]` (the minimum driver as JSON).
 Exit codes of check: 0 no item blocked, 1 an item is blocked, 2 the input could not be read.
 The rules (memory fit, driver decision, space) are plain functions with unit tests
 (tests/test_preflight.py); the host readers reuse service.checks and service.nvidia.
@@ -239,7 +240,7 @@ def driver_plan(*, running: str | None, required: str | None, required_why: str,
     if not can_install:
         return Item(iid, title, "blocked", found, need,
                     f"no configured source offers a driver >= {required} for every driver package"
-                    + (f". Fix: {fix}" if fix else "")), False
+                    + (f"; {fix}" if fix else "")), False
     action = "install " + ", ".join(f"{p['name']} {p['candidate']}" for p in apt.get("packages", []))
     if reboot_ok:
         return Item(iid, title, "will-change", found, need, f"{action}, then reboot (nvidia_driver_reboot_ok)"), True
@@ -578,7 +579,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def format_host(host: str, report: dict[str, Any]) -> str:
     if "error" in report:
-        return f"== {host}: UNREACHABLE\n   {report['error']}"
+        return f"== {host}: NO REPORT\n   {report['error']}"
     lines = [f"== {host}: " + ("READY" if report["ready"] else "BLOCKED by " + ", ".join(report["blocked"]))
              + ("  (reboot needed)" if report.get("reboot_needed") else "")]
     for item in report["items"]:
@@ -608,10 +609,17 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--json", action="store_true", help="print JSON instead of the table")
     info = sub.add_parser("model-info", help="print config.json and weight bytes of a model folder as JSON")
     info.add_argument("model_dir", type=Path)
+    req = sub.add_parser("required-driver", help="print the minimum driver for a CUDA version and floor as JSON")
+    req.add_argument("--cuda", required=True, help="nvidia_driver_cuda_version (X.Y or auto)")
+    req.add_argument("--floor", default=nvidia.PROJECT_DRIVER_FLOOR, help="nvidia_driver_floor")
     sub.required = True
     args = parser.parse_args(argv)
     if args.command == "model-info":
         print(json.dumps(model_info(args.model_dir)))
+        return 0
+    if args.command == "required-driver":
+        required, why = required_driver({"cuda_version": args.cuda, "floor": args.floor})
+        print(json.dumps({"required": required, "why": why}))
         return 0
     input_path = args.input
     try:

@@ -163,7 +163,7 @@ def test_archive_candidate_below_the_requirement_is_blocked_and_names_the_fix():
     assert item.status == "blocked" and not reboot
     assert f"nvidia-driver 535.261.03-1 from {ARCHIVE_SOURCE}" in item.found
     assert "no configured source offers a driver >= 580.65.06" in item.fix
-    assert item.fix.endswith("Fix: set nvidia_driver_source: nvidia")
+    assert item.fix.endswith("; set nvidia_driver_source: nvidia")
 
 
 def test_a_source_with_the_branch_plans_the_install_and_the_reboot():
