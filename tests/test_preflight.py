@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -289,3 +291,34 @@ def test_required_driver_from_the_cuda_version_and_the_floor():
                                       "required_why": "vllm 0.32.0 -> torch 2.13.0 -> CUDA 13.0"}) == (
         "580.65.06", "vllm 0.32.0 -> torch 2.13.0 -> CUDA 13.0")
     assert "not in the driver table" in preflight.required_driver({"cuda_version": "99.0"})[1]
+
+
+def apt_state() -> str:
+    """Names, sizes and mtimes of the controller's apt lists and caches."""
+    listing = subprocess.run("ls -lR --time-style=full-iso /var/lib/apt/lists /var/cache/apt 2>&1", shell=True,
+                             capture_output=True, text=True, check=False).stdout
+    return listing
+
+
+@pytest.mark.skipif(shutil.which("apt-cache") is None, reason="needs apt on the controller")
+def test_apt_candidate_with_private_lists_reads_the_sources_and_leaves_apt_alone(tmp_path):
+    """What preflight asks of gptoss.host.apt_candidate: a fresh read of every configured source, in
+    check mode, with the host's own package lists and caches untouched."""
+    installed = subprocess.run(["dpkg-query", "-W", "-f=${Version}", "apt"], capture_output=True, text=True,
+                               check=True).stdout
+    upstream = installed.split(":", 1)[-1].split("-", 1)[0]
+    args_file = tmp_path / "args.json"
+    args_file.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": {
+        "packages": ["apt"], "required": upstream, "private_lists": True, "fail_below": False,
+        "_ansible_check_mode": True}}))
+    module = ROOT / "collections/ansible_collections/gptoss/host/plugins/modules/apt_candidate.py"
+    before = apt_state()
+    temps_before = set(Path(tempfile.gettempdir()).glob("gptoss-apt.*"))
+    proc = subprocess.run([str(ROOT / ".venv/bin/python"), str(module), str(args_file)],
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "collections")}, capture_output=True,
+                          text=True, timeout=300, check=False)
+    result = json.loads(proc.stdout)
+    assert result["ok"] and result["refreshed"] is True and result["changed"] is False, result
+    assert result["packages"][0]["candidate"] and result["packages"][0]["candidate_sources"]  # read from a source
+    assert apt_state() == before
+    assert set(Path(tempfile.gettempdir()).glob("gptoss-apt.*")) == temps_before  # its private lists are gone
