@@ -206,14 +206,15 @@ def _offer_text(package: dict[str, Any]) -> str:
 
 def driver_plan(*, running: str | None, required: str | None, required_why: str, apt: dict[str, Any] | None,
                 install: bool, reboot_ok: bool, evaluate: bool, apt_reason: str = "",
-                fix: str = "") -> tuple[Item, bool]:
+                fix: str = "", repo_pending: str = "") -> tuple[Item, bool]:
     """Running driver vs the derived minimum, and what apt would install from the configured sources.
 
     `apt` is the answer of the gptoss.host.apt_candidate module (read-only: no refresh) for the
     packages that carry the driver's version: its `ok` is the one rule "every candidate reaches the
     requirement" that the role applies before installing. Returns the item and whether a reboot will
     be needed. `evaluate` is False on a host without a GPU where none is required (the role installs
-    nothing there); the plan is shown all the same.
+    nothing there); the plan is shown all the same. `repo_pending` names NVIDIA's repository when the
+    converge would add it first: apt cannot say what it offers before, so that is "unknown", not "blocked".
     """
     iid, title = "DRV", "Driver: running vs required, apt candidate per source"
     if apt is not None:
@@ -237,6 +238,10 @@ def driver_plan(*, running: str | None, required: str | None, required_why: str,
                     f"driver {running or 'none'} is below {required} and nvidia_driver_install is false"), False
     if apt is None:
         return Item(iid, title, "unknown", found, need, "what apt would install is not known"), False
+    if not can_install and repo_pending:
+        return Item(iid, title, "unknown", found, need,
+                    f"the converge adds {repo_pending} first and reads its candidate then, refusing before it "
+                    f"installs anything when it has no driver >= {required}; check that this host can reach it"), False
     if not can_install:
         return Item(iid, title, "blocked", found, need,
                     f"no configured source offers a driver >= {required} for every driver package"
@@ -540,6 +545,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         item, needs_reboot = driver_plan(
             running=running, required=required, required_why=required_why,
             apt=driver_cfg.get("apt"), apt_reason=driver_cfg.get("apt_reason", ""), fix=driver_cfg.get("fix", ""),
+            repo_pending=str(driver_cfg.get("repo_url") or "") if driver_cfg.get("repo_pending") else "",
             install=bool(driver_cfg.get("install", True)), reboot_ok=bool(driver_cfg.get("reboot_ok")),
             # nvidia_driver_skip_gpu_check (lab/test only) walks the install decision without a GPU, as the role does.
             evaluate=gpu_present or require_gpu or bool(driver_cfg.get("skip_gpu_check")))
@@ -580,7 +586,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
 def format_host(host: str, report: dict[str, Any]) -> str:
     if "error" in report:
         return f"== {host}: NO REPORT\n   {report['error']}"
+    unknown = [item["id"] for item in report["items"] if item["status"] == "unknown"]
     lines = [f"== {host}: " + ("READY" if report["ready"] else "BLOCKED by " + ", ".join(report["blocked"]))
+             + (f"  (not decided: {', '.join(unknown)})" if unknown else "")
              + ("  (reboot needed)" if report.get("reboot_needed") else "")]
     for item in report["items"]:
         lines.append(f"{item['id']:<6} {item['status'].upper():<11} {item['title']}")

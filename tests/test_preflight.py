@@ -184,6 +184,14 @@ def test_unreadable_repository_and_pinned_offers_are_named():
         in item.found
 
 
+def test_a_repository_the_converge_adds_first_is_unknown_not_blocked():
+    missing = {**ARCHIVE, "packages": [verdict("nvidia-driver-cuda", None, False)],
+               "unreadable_sources": [{"url": "https://repo.example/", "reason": "apt has no package list for it"}]}
+    item, _ = plan(apt=missing, repo_pending="https://repo.example/")
+    assert item.status == "unknown" and "adds https://repo.example/ first" in item.fix
+    assert plan(apt=missing)[0].status == "blocked"  # configured, read, and still nothing: blocked
+
+
 def test_running_driver_new_enough_needs_nothing():
     assert plan(running="580.159.04")[0].status == "ok"
     assert plan(running="570.26", install=False)[0].status == "blocked"
