@@ -107,6 +107,18 @@ def test_unreachable_nvidia_repository_is_named_with_apts_reason():
     assert apt_policy.unreadable_sources([archive + "/"], package_files, failures) == []
 
 
+def test_untrusted_sources_are_named_too():
+    # apt 2.6's lines for a repository signed by a key the keyring lacks, and for an unsigned one.
+    text = ("W: GPG error: https://mirror.example/cuda/debian12/x86_64  InRelease: The following signatures "
+            "couldn't be verified because the public key is not available: NO_PUBKEY A4B469963BF863CC\n"
+            "E: The repository 'https://mirror.example/cuda/debian12/x86_64  InRelease' is not signed.\n")
+    failures = apt_policy.parse_update_failures(text)
+    assert [url for url, _ in failures] == ["https://mirror.example/cuda/debian12/x86_64"] * 2
+    assert "NO_PUBKEY A4B469963BF863CC" in failures[0][1] and failures[1][1] == "is not signed."
+    unreadable = apt_policy.unreadable_sources(["https://mirror.example/cuda/debian12/x86_64/"], [], failures)
+    assert "NO_PUBKEY" in unreadable[0]["reason"]
+
+
 # apt-cache policy in the format apt 2.6 prints, for a host where NVIDIA's repository is readable
 # (it cannot be reached from the lab): the pinned branch is the candidate, a newer branch is not.
 NVIDIA_POLICY = """\

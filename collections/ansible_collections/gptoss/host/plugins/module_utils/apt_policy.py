@@ -15,7 +15,12 @@ from ansible_collections.gptoss.host.plugins.module_utils.debian_version import 
 _VERSION_LINE = re.compile(r"^(?: {5}| \*\*\* )(\S+) (-?\d+)$")
 _SOURCE_LINE = re.compile(r"^ {8}(-?\d+) (.+)$")
 _PACKAGE_FILE_LINE = re.compile(r"^ *(-?\d+) (\S.*)$")
-_FAILED_FETCH = re.compile(r"^[WE]: Failed to fetch (\S+)\s+(.*)$")
+# How apt-get update names a source it could not use: unreachable, unsigned, or a key it lacks.
+_UPDATE_PROBLEMS = [
+    re.compile(r"^[WE]: Failed to fetch (\S+)\s+(.*)$"),
+    re.compile(r"^[WE]: The repository '(\S+)[^']*' (.*)$"),
+    re.compile(r"^[WE]: GPG error: (\S+)\s+\S*:?\s*(.*)$"),
+]
 
 
 @dataclass
@@ -84,9 +89,14 @@ def parse_package_files(text: str) -> list[str]:
 
 
 def parse_update_failures(text: str) -> list[tuple[str, str]]:
-    """(url, reason) for every index `apt-get update` could not fetch."""
-    return [(m.group(1), m.group(2).strip()) for line in text.splitlines()
-            if (m := _FAILED_FETCH.match(line.strip()))]
+    """(url, reason) for every source `apt-get update` could not fetch or could not trust."""
+    failures = []
+    for line in text.splitlines():
+        for pattern in _UPDATE_PROBLEMS:
+            if match := pattern.match(line.strip()):
+                failures.append((match.group(1), match.group(2).strip()))
+                break
+    return failures
 
 
 def _norm_url(url: str) -> str:

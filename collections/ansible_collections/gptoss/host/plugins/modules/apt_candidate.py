@@ -132,8 +132,11 @@ def main() -> None:
     try:
         refreshed = bool(private_root) or (params["refresh"] and not module.check_mode)
         if refreshed:
-            # Exit 0 even when a source fails ("W: Failed to fetch"); those lines are parsed below.
-            update_output = run_apt(module, ["apt-get", *apt_opts, "update"])
+            # apt-get update exits 0 when a source cannot be reached ("W: Failed to fetch") and 100 when
+            # one cannot be trusted ("E: The repository ... is not signed"); either way the other sources
+            # were read, and the problem lines name the source: the decision reports them, not a crash.
+            _code, out, err = module.run_command(["apt-get", *apt_opts, "update"], environ_update=C_LOCALE)
+            update_output = out + err
         policies = parse_policy(run_apt(module, ["apt-cache", *apt_opts, "policy", *params["packages"]]))
         package_files = parse_package_files(run_apt(module, ["apt-cache", *apt_opts, "policy"]))
     finally:
