@@ -236,7 +236,7 @@ ns.add_task(preflight)
 def lint(c):
     """ruff and ansible-lint."""
     c.run(f"{ROOT}/.venv/bin/ruff check .")
-    c.run(f"{ROOT}/.venv/bin/ansible-lint --offline -q site.yml roles playbooks")
+    c.run(f"{ROOT}/.venv/bin/ansible-lint --offline -q site.yml roles playbooks collections")
 
 
 VLLM_TEST_VENV = ROOT / ".cache" / "vllm-cpu-venv"
@@ -398,6 +398,19 @@ def bench_convert(c, args=""):
     c.run(f"{PYTHON} bench/bench_convert.py {args}", pty=False)
 
 
+@task(name="bench-converge", help={"inventory": "inventory file (default: the lab)", "rounds": "rounds of each play"})
+def bench_converge(c, inventory=None, rounds=3):
+    """A no-op converge against an empty play with fact gathering, same host, side by side (target <= 2x)."""
+    inv = f"-i {inventory} " if inventory else ""
+    c.run(f"{PYTHON} bench/bench_converge.py {inv}--rounds {rounds}", pty=False, env={"GPTOSS_LAB": lab_name()})
+
+
+@task(name="bench-nccl", help={"args": "extra bench/nccl_allreduce.py arguments (--variants, --sizes, --nvml, ...)"})
+def bench_nccl(c, args=""):
+    """NCCL all-reduce bus bandwidth and latency, 1 MiB..1 GiB, under each env file the nccl_env role writes."""
+    c.run(f"{PYTHON} bench/nccl_allreduce.py {args}", pty=False)
+
+
 ns.add_task(lint)
 ns.add_task(vllm_venv)
 ns.add_task(test)
@@ -406,3 +419,5 @@ ns.add_task(bench)
 ns.add_task(bench_vllm)
 ns.add_task(tune)
 ns.add_task(bench_convert)
+ns.add_task(bench_nccl)
+ns.add_task(bench_converge)

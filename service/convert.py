@@ -11,7 +11,7 @@ Runs on the target host with the vLLM venv's python (torch + safetensors; no tqd
 * Each shard is written to ``.NAME.tmp-PID`` in the model directory (tensor bytes copied file to
   file in the kernel with copy_file_range where they lie as-is in the source), re-read and verified
   bit for bit against the source tensors (memcmp), fsynced, renamed into place and the directory
-  fsynced. --jobs shards (default 2) go through this at once, each in its own temp file. Errors
+  fsynced. --jobs shards (default: one per usable CPU) go through this at once, each in its own temp file. Errors
   remove the temp files and stop the other jobs; temp files of a killed run are removed at the next
   start; originals are never modified and are deleted only with --delete-originals after every
   shard and the index verified.
@@ -675,14 +675,24 @@ def remove_own_temp_files(model_dir: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, which cgroups and taskset narrow), not the host's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def default_jobs(shards: list[SourceShard]) -> int:
-    """Shards converted at once. Two keep two cores busy copying (the in-kernel copy into one file
-    is serialised by the file system's inode lock, so parallelism has to be across files); more
-    rarely helps, the disk is the limit by then. Legacy checkpoints are read into memory, so
-    they go one at a time to keep peak memory at one shard."""
+    """Shards converted at once: one per usable CPU, at most one per shard. The in-kernel copy into
+    one file is serialised by the file system's inode lock, so parallelism has to be across files,
+    and each job needs a CPU for its copy and memcmp. Measured with an 8.6 GB, 8-shard checkpoint:
+    2 jobs 7.8 s, 4 jobs 5.5 s, 8 jobs 5.5 s, 16 jobs 5.1 s on the 16-core GPU machine; 2 jobs on the
+    2-core box. Legacy checkpoints are read into memory, so they go one at a time to keep peak
+    memory at one shard."""
     if not all(shard.mmap_backed for shard in shards):
         return 1
-    return max(1, min(2, os.cpu_count() or 1, len(shards)))
+    return max(1, min(usable_cpus(), len(shards)))
 
 
 def convert_shards(model_dir: Path, shards: list[SourceShard], progress: Progress,
@@ -940,8 +950,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print one JSON result object as the last line")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument("--jobs", type=_positive_int, metavar="N",
-                        help="shards converted at once (default: 2 on machines with 2+ CPUs, 1 for legacy "
-                             "non-zip checkpoints, which are read into memory)")
+                        help="shards converted at once (default: one per usable CPU, at most one per shard; 1 for "
+                             "legacy non-zip checkpoints, which are read into memory)")
     return parser.parse_args(argv)
 
 

@@ -32,6 +32,8 @@ BAD_INPUTS = {
     "kernel flag with a shell": ("playbooks/host.yml", {"kernel_cmdline_flags": ["nvidia.NVreg_X=1; reboot"]},
                                  "is not a single key=value"),
     "P2P policy unknown": ("playbooks/host.yml", {"nccl_env_p2p": "sometimes"}, "nccl_env_p2p"),
+    "NCCL variable name": ("playbooks/host.yml", {"nccl_env_extra": {"nccl-debug": "WARN"}},
+                           "nccl_env_extra: 'nccl-debug' is not a valid environment variable name"),
     "governor unknown": ("playbooks/host.yml", {"cpu_governor_governor": "turbo"}, "cpu_governor_governor"),
     "off loopback, no key": ("playbooks/vllm.yml", {"vllm_service_host": "0.0.0.0"},
                              "is not loopback: set vllm_service_api_key"),
