@@ -26,8 +26,16 @@ STATE_COMMANDS = {
 }
 
 
+# Every directory of the root file system, and every regular file written after a marker: what
+# preflight may leave behind is nothing but the journal's record of its SSH logins.
+MARKER = "/run/gptoss-preflight-test.marker"
+WRITTEN_FILES = (f"find / -xdev -type f -newer {MARKER} -not -path '/var/log/journal/*' 2>/dev/null | sort")
+ALL_DIRECTORIES = "find / -xdev -type d 2>/dev/null | sort | sha256sum"
+
+
 def host_state(lab: Lab) -> dict[str, str]:
-    return {name: lab.sh(command).split()[0] for name, command in STATE_COMMANDS.items()}
+    return {name: lab.sh(command).split()[0] for name, command in
+            {**STATE_COMMANDS, "directories": ALL_DIRECTORIES}.items()}
 
 
 def items(report: dict) -> dict[str, dict]:
@@ -57,6 +65,7 @@ def preflight_run(bare_lab: Lab):
     torch 2.13.0 is a CUDA 13.0 build), the driver from the Debian archive, and the documented lab switch
     nvidia_driver_skip_gpu_check that skips only the GPU-presence test (the lab has no GPU)."""
     before = host_state(bare_lab)
+    bare_lab.sh(f"touch {MARKER} && sleep 1")
     started = time.monotonic()
     extra = ("-e nvidia_driver_cuda_version=13.0 -e nvidia_driver_source=archive"
              " -e '{\"nvidia_driver_skip_gpu_check\": true}'")
@@ -64,12 +73,14 @@ def preflight_run(bare_lab: Lab):
     seconds = time.monotonic() - started
     record_timing("preflight_lab", seconds)
     after = host_state(bare_lab)
+    after["written_files"] = bare_lab.sh(WRITTEN_FILES).strip()
     return before, after, result
 
 
 def test_preflight_changes_nothing_on_the_host(preflight_run):
     before, after, result = preflight_run
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]  # blocked by the driver
+    assert after.pop("written_files") == "", "files written on the host"
     assert after == before
 
 
