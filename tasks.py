@@ -123,13 +123,14 @@ lab.add_task(lab_model)
 # ---------------------------------------------------------------- provisioning
 
 
-def _ansible(c, command: str, inventory: str | None, warn: bool = False, holder: str = ""):
+def _ansible(c, command: str, inventory: str | None, warn: bool = False, holder: str = "",
+             hide: str | None = None):
     inv = f"-i {inventory} " if inventory else ""
     env = {"ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "GPTOSS_LAB": lab_name()}
     if holder:  # named to a second change that finds the host's change lock taken
         env["GPTOSS_CHANGE_HOLDER"] = holder
     return c.run(f"{ROOT}/.venv/bin/{command.split()[0]} {inv}{' '.join(command.split()[1:])}", env=env,
-                 warn=warn, pty=False)
+                 warn=warn, pty=False, hide=hide)
 
 
 @task(help={"inventory": "inventory file (default: the lab)", "check": "--check --diff: change nothing",
@@ -192,6 +193,46 @@ def _verify_inventory(c, inventory, args) -> dict:
 
 
 ns.add_task(verify)
+
+
+# ---------------------------------------------------------------- preflight
+
+
+@task(help={"inventory": "inventory file (default: the lab)", "json": "print JSON instead of the table",
+            "extra": "extra ansible-playbook arguments, e.g. \"-e nvidia_driver_cuda_version=13.0\""})
+def preflight(c, inventory=None, json_=False, extra=""):
+    """Before a converge: per host, what it would need and whether it can work. Changes nothing on any host.
+
+    Per host: OS, GPUs (PCI, NVML), running driver vs the required one and apt's candidate, kernel flags
+    pending, model disk (fstype, free space vs the model), venv space, Python, the profile's memory fit
+    (weights + KV cache of max-model-len vs each GPU at gpu-memory-utilization) and whether a reboot
+    will be needed. Exit 0 ready, 1 a host needs something the configuration does not allow (named),
+    2 a host was unreachable.
+    """
+    from service import preflight as preflight_mod
+
+    out_dir = ROOT / ".cache" / "preflight"
+    c.run(f"rm -rf {out_dir} && mkdir -p {out_dir}")
+    hosts = _inventory_hosts(c, inventory)
+    if not hosts:
+        raise Exit("preflight: the inventory has no hosts (is the lab up? `invoke lab.up`)", code=2)
+    out_var = json.dumps({"preflight_out": str(out_dir)})
+    # With --json, stdout carries only the JSON (the play's own output stays hidden).
+    result = _ansible(c, f"ansible-playbook playbooks/preflight.yml -e '{out_var}' {extra}".strip(), inventory,
+                      warn=True, hide="out" if json_ else None)
+    reports = {}
+    for host in hosts:
+        path = out_dir / f"{host}.json"
+        # Ansible's own words for this host (unreachable, or a failed task), so --json keeps the reason too.
+        why = [line.strip() for line in result.stdout.splitlines() if line.startswith(("fatal: [", "[ERROR]"))
+               and (f"[{host}]" in line or line.startswith("[ERROR]"))]
+        reports[host] = json.loads(path.read_text()) if path.exists() else {
+            "error": f"host {host} unreachable or the preflight could not run (ansible-playbook exit {result.exited})"
+                     + (": " + " ".join(why)[:600] if why else "")}
+    raise Exit(code=preflight_mod.report_hosts(reports, as_json=json_))
+
+
+ns.add_task(preflight)
 
 
 # ---------------------------------------------------------------- quality and the main job

@@ -21,6 +21,13 @@ options:
   packages: {description: Packages whose candidate must reach I(required)., type: list, elements: str, required: true}
   required: {description: "Minimum upstream version, e.g. C(580.65.06).", type: str, required: true}
   refresh: {description: Run C(apt-get update) first (skipped in check mode)., type: bool, default: false}
+  private_lists:
+    description:
+      - Read every configured source afresh into a private temporary folder (C(apt-get update) and
+        C(apt-cache) with C(Dir::State::Lists) and C(Dir::Cache) there), removed afterwards. The host's
+        own package lists and caches stay untouched, so this also runs in check mode (C(invoke preflight)).
+    type: bool
+    default: false
   managed_urls:
     description: Repository URLs this play configured; each one apt has no package list for is named.
     type: list
@@ -66,6 +73,11 @@ reboot_required: {description: Installed is fine but the loaded counterpart is n
 message: {description: The decision in words., type: str, returned: always}
 """
 
+import os
+import pwd
+import shutil
+import tempfile
+
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.gptoss.host.plugins.module_utils.apt_policy import (
     decide,
@@ -85,6 +97,20 @@ def run_apt(module: AnsibleModule, argv: list[str]) -> str:
     return out + err
 
 
+def private_apt_dirs() -> tuple[str, list[str]]:
+    """A temporary lists + cache folder and the apt options that point there."""
+    root = tempfile.mkdtemp(prefix="gptoss-apt.")
+    os.chmod(root, 0o755)  # apt downloads as its sandbox user _apt, which must reach partial/
+    for sub in ("lists/partial", "cache/archives/partial"):
+        os.makedirs(os.path.join(root, sub))
+    try:
+        apt_user = pwd.getpwnam("_apt")
+        os.chown(os.path.join(root, "lists", "partial"), apt_user.pw_uid, -1)
+    except KeyError:
+        pass
+    return root, ["-o", f"Dir::State::Lists={root}/lists", "-o", f"Dir::Cache={root}/cache"]
+
+
 def main() -> None:
     module = AnsibleModule(
         argument_spec=dict(
@@ -96,20 +122,26 @@ def main() -> None:
             fail_below=dict(type="bool", default=True),
             label=dict(type="str", default="apt_candidate"),
             fix=dict(type="str", default=""),
+            private_lists=dict(type="bool", default=False),
         ),
         supports_check_mode=True,
     )
     params = module.params
     update_output = ""
-    refreshed = params["refresh"] and not module.check_mode
-    if refreshed:
-        # apt-get update exits 0 when a source cannot be reached ("W: Failed to fetch") and 100 when
-        # one cannot be trusted ("E: The repository ... is not signed"); either way the other sources
-        # were read, and the problem lines name the source: the decision reports them, not a crash.
-        _code, out, err = module.run_command(["apt-get", "update"], environ_update=C_LOCALE)
-        update_output = out + err
-    policies = parse_policy(run_apt(module, ["apt-cache", "policy", *params["packages"]]))
-    package_files = parse_package_files(run_apt(module, ["apt-cache", "policy"]))
+    private_root, apt_opts = private_apt_dirs() if params["private_lists"] else ("", [])
+    try:
+        refreshed = bool(private_root) or (params["refresh"] and not module.check_mode)
+        if refreshed:
+            # apt-get update exits 0 when a source cannot be reached ("W: Failed to fetch") and 100 when
+            # one cannot be trusted ("E: The repository ... is not signed"); either way the other sources
+            # were read, and the problem lines name the source: the decision reports them, not a crash.
+            _code, out, err = module.run_command(["apt-get", *apt_opts, "update"], environ_update=C_LOCALE)
+            update_output = out + err
+        policies = parse_policy(run_apt(module, ["apt-cache", *apt_opts, "policy", *params["packages"]]))
+        package_files = parse_package_files(run_apt(module, ["apt-cache", *apt_opts, "policy"]))
+    finally:
+        if private_root:
+            shutil.rmtree(private_root, ignore_errors=True)
     try:
         decision = decide(policies, params["packages"], params["required"], params["managed_urls"],
                           package_files, parse_update_failures(update_output), params["label"], params["fix"])
@@ -119,7 +151,7 @@ def main() -> None:
     except ValueError as exc:
         module.fail_json(msg=f"{params['label']}: {exc}")
     result = {"changed": False, "refreshed": refreshed, **decision.as_dict(), **status}
-    if module.check_mode and params["refresh"] and not decision.ok:
+    if module.check_mode and params["refresh"] and not private_root and not decision.ok:
         result["message"] += "\n(check mode: the package lists were not refreshed)"
     if not decision.ok and params["fail_below"]:
         module.fail_json(msg=result.pop("message"), **result)
