@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ansible_collections.gptoss.host.plugins.module_utils import version_chain
+
 from service import checks, nvidia
 
 STATUSES = ("ok", "will-change", "blocked", "unknown", "skip")
@@ -62,13 +64,13 @@ class Item:
 def python_satisfies(version: str, requires: str) -> bool:
     """'3.11.2' against a Requires-Python specifier set such as '>=3.10,<3.14' (PEP 440 subset:
     ==, !=, >=, <=, >, <, ~= and trailing .* on == / !=, numeric release parts only)."""
-    have = nvidia.version_tuple(version)
+    have = version_chain.version_tuple(version)
     for clause in (c.strip() for c in requires.split(",") if c.strip()):
         match = re.fullmatch(r"(~=|==|!=|>=|<=|>|<)\s*([0-9]+(?:\.[0-9]+)*)(\.\*)?", clause)
         if not match:
             raise ValueError(f"Requires-Python clause {clause!r} is not understood")
         op, text, wildcard = match.groups()
-        want = nvidia.version_tuple(text)
+        want = version_chain.version_tuple(text)
         pad = max(len(want), len(have))
         have_p, want_p = have + (0,) * (pad - len(have)), want + (0,) * (pad - len(want))
         if wildcard or op == "~=":
@@ -229,7 +231,7 @@ def driver_plan(*, running: str | None, required: str | None, required_why: str,
     need = f">= {required} ({required_why})" if required else f"unknown ({required_why})"
     if not required:
         return Item(iid, title, "unknown", found, need, "the minimum driver could not be derived"), False
-    if running and nvidia.version_tuple(running) >= nvidia.version_tuple(required):
+    if running and version_chain.version_tuple(running) >= version_chain.version_tuple(required):
         return Item(iid, title, "ok", found, need), False
     can_install = apt is not None and bool(apt.get("ok"))
     if not evaluate:
@@ -271,10 +273,10 @@ def required_driver(cfg: dict[str, Any]) -> tuple[str | None, str]:
             return None, str(cfg.get("required_why") or
                              "nvidia_driver_cuda_version is auto and the vLLM build's CUDA version was not derived")
         try:
-            required, why = nvidia.minimum_driver_for_cuda(cuda), f"CUDA {cuda}, nvidia_driver_cuda_version"
+            required, why = version_chain.minimum_driver_for_cuda(cuda), f"CUDA {cuda}, nvidia_driver_cuda_version"
         except ValueError as err:
             return None, str(err)
-    if nvidia.version_tuple(floor) > nvidia.version_tuple(required):
+    if version_chain.version_tuple(floor) > version_chain.version_tuple(required):
         return floor, f"nvidia_driver_floor {floor}"
     return required, why
 
@@ -372,18 +374,6 @@ def system_python_version(python: str) -> tuple[str | None, str]:
     if proc.returncode != 0:
         return None, f"{python} failed: {proc.stderr.strip()[:200]}"
     return proc.stdout.strip(), python
-
-
-def venv_package_version(venv: Path, package: str) -> str | None:
-    """The installed version of `package` in the venv, read from its dist-info (no import)."""
-    normalized = re.sub(r"[-_.]+", "_", package).lower()
-    for meta in venv.glob("lib/python3*/site-packages/*.dist-info/METADATA"):
-        name = meta.parent.name.rsplit("-", 1)[0]
-        if re.sub(r"[-_.]+", "_", name).lower() == normalized:
-            for line in meta.read_text(errors="replace").splitlines():
-                if line.startswith("Version:"):
-                    return line.split(":", 1)[1].strip()
-    return None
 
 
 # ------------------------------------------------------------------ the items
@@ -495,7 +485,7 @@ def venv_item(cfg: dict[str, Any]) -> Item:
     if not cfg.get("enabled", True):
         return Item(iid, title, "skip", "", "", "vllm_service_enabled: false")
     venv, package = Path(cfg.get("venv") or "/opt/gptoss/venv"), str(cfg.get("package") or "vllm")
-    installed = venv_package_version(venv, package) if venv.is_dir() else None
+    installed = version_chain.installed_version(str(venv), package) if venv.is_dir() else None
     if installed is not None and installed == cfg.get("version"):
         return Item(iid, title, "ok", f"{package} {installed} already in {venv}", "nothing to install")
     minimum = int(cfg.get("min_free_bytes") or 0)
