@@ -13,13 +13,15 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import Lab, record_timing
 
-from service.nvidia import minimum_driver_for_cuda
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "collections"))
+from ansible_collections.gptoss.host.plugins.module_utils.version_chain import minimum_driver_for_cuda  # noqa: E402
 
 CUDA = "13.0"
 SOURCE_FILE = "/etc/apt/sources.list.d/gptoss-nvidia-cuda.sources"
