@@ -9,7 +9,7 @@ module: apt_candidate
 short_description: Read apt's candidate versions and refuse when none reaches a required version
 description:
   - Optionally refreshes apt's package lists (C(apt-get update); never in check mode), then reads
-    C(apt-cache policy) for I(packages): the installed version, apt's candidate (pins and priorities
+    C(apt-cache policy) for I(packages), that is the installed version, apt's candidate (pins and priorities
     applied) and every version each configured source offers.
   - Each package's candidate must carry a version at or above I(required) (Debian version rules;
     epochs and Debian revisions are ignored, so C(1:580.95.05-0ubuntu1) carries 580.95.05).
