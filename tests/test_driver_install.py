@@ -36,9 +36,15 @@ DPKG_STATE = ("sha256sum /var/lib/dpkg/status; dpkg-query -W -f='${Package} ${Ve
 
 
 @pytest.fixture
-def apt_restored(fresh_lab: Lab) -> Iterator[Lab]:
-    """Keep the lab's package lists and remove what the role adds, so other tests see the lab as it was."""
-    lab = fresh_lab
+def apt_restored(request) -> Iterator[Lab]:
+    """Keep the lab's package lists and remove what the role adds, so other tests see the lab as it was.
+    Parametrized indirectly with a Debian release (default bookworm, the session lab); the trixie lab
+    is used once its own converge ran, so its fresh-host checks saw it untouched."""
+    if getattr(request, "param", "bookworm") == "trixie":
+        request.getfixturevalue("trixie_converged")
+        lab = request.getfixturevalue("trixie_lab")
+    else:
+        lab = request.getfixturevalue("fresh_lab")
     lab.sh("rm -rf /root/apt-lists.saved && cp -a /var/lib/apt/lists /root/apt-lists.saved")
     before = lab.checksums(*ROLE_FILES)
     try:
@@ -55,12 +61,13 @@ def walk_the_install(lab: Lab, *args: str, **extra):
                     extra_vars={"nvidia_driver_skip_gpu_check": True, "nvidia_driver_cuda_version": CUDA, **extra})
 
 
+@pytest.mark.parametrize("apt_restored", ["bookworm", "trixie"], indirect=True)
 def test_archive_driver_is_refused_before_anything_is_installed(apt_restored: Lab):
     lab = apt_restored
     required = minimum_driver_for_cuda(CUDA)
     dpkg_before = lab.sh(DPKG_STATE)
     result = walk_the_install(lab, nvidia_driver_source="archive")
-    record_timing("driver_archive_refusal", result.seconds)
+    record_timing(f"driver_archive_refusal_{lab.state.release}", result.seconds)
     assert result.rc != 0, result.output[-3000:]
     assert "GPU-presence test skipped" in result.output
     # The archive's real candidate, read the same way apt would install it.

@@ -55,6 +55,10 @@ options:
     type: str
     default: auto
   floor: {description: The project's absolute driver floor., type: str, default: "535"}
+  build:
+    description: Whether this host gets a vLLM build at all (vllm_service_enabled); without one only the floor and explicit settings count.
+    type: bool
+    default: true
   timeout: {description: Seconds per pip run., type: int, default: 1800}
 author: gptoss-host
 """
@@ -155,14 +159,18 @@ def main() -> None:
             "cuda_version": {"type": "str", "default": "auto"},
             "driver_branch": {"type": "str", "default": "auto"},
             "floor": {"type": "str", "default": "535"},
+            "build": {"type": "bool", "default": True},
         },
         supports_check_mode=True,
     )
     p = module.params
     started = time.monotonic()
     try:
-        chain = derive(module)
-        if chain is None:
+        chain = derive(module) if p["build"] else None
+        if not p["build"]:
+            result = {"derived": False, "reason": "no vLLM build on this host (vllm_service_enabled: false): only "
+                                                  "the floor and explicit settings count"}
+        elif chain is None:
             result = {"derived": False, "reason": "check mode: no pip on this host yet (python3-venv is installed by "
                                                   "the real run), so the build is derived then"}
         else:
