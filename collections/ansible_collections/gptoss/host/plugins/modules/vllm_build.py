@@ -56,7 +56,9 @@ options:
     default: auto
   floor: {description: The project's absolute driver floor., type: str, default: "535"}
   build:
-    description: Whether this host gets a vLLM build at all (vllm_service_enabled); without one only the floor and explicit settings count.
+    description:
+      - Whether this host gets a vLLM build at all (vllm_service_enabled).
+      - Without one only the floor and explicit settings count.
     type: bool
     default: true
   timeout: {description: Seconds per pip run., type: int, default: 1800}
