@@ -28,7 +28,8 @@ def test_unit_is_active_and_serves_the_model(lab: Lab, converged):
                            {"model": "tiny-llama", "prompt": "Hello", "max_tokens": 8})
     assert completion["usage"]["completion_tokens"] == 8
     # The YAML callback folds long messages over several lines.
-    rollout = re.search(r"vllm_service rollout: (\{.*?\})", converged.first.output, re.DOTALL)
+    # gptoss.host.vllm_change reports the health gate's JSON as "gate: {...}".
+    rollout = re.search(r"vllm_service: restarted .*?gate: (\{.*?\})", converged.first.output, re.DOTALL)
     assert rollout, "no rollout report in the converge output"
     timing = json.loads(re.sub(r"\s*\n\s*", " ", rollout.group(1)))
     assert timing["ok"] is True
