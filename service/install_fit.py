@@ -28,6 +28,8 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
+from ansible_collections.gptoss.host.plugins.module_utils.version_chain import normalize_name
+
 WHEEL_DIRS = [Path("/usr/share/python-wheels"), Path(sysconfig.get_path("stdlib")) / "ensurepip" / "_bundled"]
 UNMET = re.compile(r"(?:No matching distribution found for|Could not find a version that satisfies the "
                    r"requirement) ([A-Za-z0-9_.\-]+)")
@@ -57,18 +59,14 @@ def pip_command() -> list[str]:
                             + ", ".join(str(d) for d in WHEEL_DIRS) + " (install python3-venv)")
 
 
-def normalize(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def wheels_of(name: str, find_links: list[str]) -> list[str]:
     """File names of the wheels of `name` in the find-links folders (what the source holds)."""
-    wanted = normalize(name)
+    wanted = normalize_name(name)
     found = []
     for folder in find_links:
         path = Path(folder)
         if path.is_dir():
-            found += sorted(f.name for f in path.glob("*.whl") if normalize(f.name.split("-")[0]) == wanted)
+            found += sorted(f.name for f in path.glob("*.whl") if normalize_name(f.name.split("-")[0]) == wanted)
     return found
 
 
