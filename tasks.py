@@ -263,13 +263,18 @@ def vllm_venv(c):
     marker.write_text(WHEELHOUSE_SPEC)
 
 
-@task(help={"k": "pytest -k expression", "args": "extra pytest arguments"})
-def test(c, k="", args=""):
+@task(help={"k": "pytest -k expression", "args": "extra pytest arguments",
+            "workers": "pytest-xdist workers (default 2; 0 = one process). Tests that share a lab, or a "
+                       "module's fixtures, stay on one worker (tests/conftest.py: xdist_group_of)"})
+def test(c, k="", args="", workers=2):
     """The whole test suite: lint, unit tests, real vLLM tests and the lab tests (what CI runs)."""
     vllm_venv(c)
     lab_model(c)
     selection = f"-k '{k}'" if k else ""
-    c.run(f"{ROOT}/.venv/bin/pytest -ra {selection} {args}", pty=False)
+    # Two workers: the session lab's tests (the longest chain) run beside everything else; the caches
+    # above are built before the workers start, so they never race for them.
+    parallel = f"-n {int(workers)} --dist loadgroup --no-loadscope-reorder" if int(workers) > 1 else ""
+    c.run(f"{ROOT}/.venv/bin/pytest -ra --durations=40 {parallel} {selection} {args}", pty=False)
 
 
 LAB_WAIVERS = ROOT / "inventory" / "lab-waivers.json"

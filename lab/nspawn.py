@@ -10,6 +10,7 @@ with different names can run side by side.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -160,6 +161,19 @@ def allocate_address(name: str) -> tuple[str, int]:
     raise LabError("no free loopback address/port for the lab")
 
 
+@contextlib.contextmanager
+def file_lock(path: Path):
+    """An exclusive flock on `path`: the test suite runs on several workers, and a shared cache (a
+    rootfs tarball, the wheelhouse) must be built by one of them while the others wait for it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 # ---------------------------------------------------------------- rootfs
 
 
@@ -211,6 +225,13 @@ def ensure_rootfs_cache(release: str = DEFAULT_RELEASE) -> tuple[Path, bool]:
     tarball = rootfs_tarball(release)
     if tarball.exists():
         return tarball, True
+    with file_lock(tarball.with_suffix(".lock")):
+        if tarball.exists():  # another process built it while this one waited
+            return tarball, True
+        return _build_rootfs(release, tarball), False
+
+
+def _build_rootfs(release: str, tarball: Path) -> Path:
     if shutil.which("debootstrap") is None:
         raise LabError("debootstrap is not installed (apt-get install debootstrap systemd-container)")
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
@@ -230,7 +251,7 @@ def ensure_rootfs_cache(release: str = DEFAULT_RELEASE) -> tuple[Path, bool]:
         os.replace(tmp, tarball)
     finally:
         shutil.rmtree(build_dir, ignore_errors=True)
-    return tarball, False
+    return tarball
 
 
 def create_root_disk(state: LabState, tarball: Path) -> None:

