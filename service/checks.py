@@ -19,7 +19,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from ansible_collections.gptoss.host.plugins.module_utils import unit_inputs, version_chain
+from ansible_collections.gptoss.host.plugins.module_utils import unit_inputs, verify_contract, version_chain
 
 from service import nvidia
 
@@ -51,11 +51,12 @@ class CheckResult:
         return asdict(self)
 
 
-def load_roles(config_dir: Path) -> dict[str, dict[str, Any]]:
-    """Every verify.d/<role>.json as {role: object}; ConfigError when the folder or a file is unusable."""
+def load_roles(config_dir: Path) -> dict[str, verify_contract.RoleRecord]:
+    """Every verify.d/<role>.json as {role: record}, each checked against the verify contract;
+    ConfigError when the folder or a file is unusable or breaks the contract."""
     if not config_dir.is_dir():
         raise ConfigError(f"{config_dir}: not a directory (no role has written its expectations)")
-    roles: dict[str, dict[str, Any]] = {}
+    roles: dict[str, verify_contract.RoleRecord] = {}
     for path in sorted(config_dir.glob("*.json")):
         try:
             data = json.loads(path.read_text())
@@ -63,17 +64,22 @@ def load_roles(config_dir: Path) -> dict[str, dict[str, Any]]:
             raise ConfigError(f"{path}: {err}") from err
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
-        roles[path.stem] = data
+        try:
+            roles[path.stem] = verify_contract.RoleRecord(path.stem, verify_contract.check_record(path.stem, data))
+        except verify_contract.ContractError as err:
+            raise ConfigError(f"{path}: {err}") from err
     return roles
 
 
 class Context:
     """What the checks share: the role files, options, and live facts read once (lazily)."""
 
-    def __init__(self, roles: dict[str, dict[str, Any]], *, no_completion: bool = False, timeout: float = 2.0,
+    def __init__(self, roles: dict[str, Any], *, no_completion: bool = False, timeout: float = 2.0,
                  main_pid: int | None = None, cpu_root: Path = Path("/sys/devices/system/cpu"),
                  mountinfo: Path = Path("/proc/self/mountinfo"), cmdline: Path = Path("/proc/cmdline")):
-        self.roles = roles
+        # Records read through the contract (load_roles gives RoleRecords; tests may pass plain dicts).
+        self.roles = {name: record if isinstance(record, verify_contract.RoleRecord)
+                      else verify_contract.RoleRecord(name, record) for name, record in roles.items()}
         self.no_completion = no_completion
         self.timeout = timeout
         self._main_pid = main_pid  # tests pass a real child's pid; production asks systemd
@@ -82,12 +88,14 @@ class Context:
         self.cmdline = cmdline
         self._unit_props: dict[str, str] | RuntimeError | None = None
 
-    def role(self, name: str) -> dict[str, Any]:
+    def role(self, name: str) -> verify_contract.RoleRecord:
         return self.roles[name]
 
     @property
     def unit(self) -> str:
-        return str(self.roles.get("vllm_service", {}).get("unit") or DEFAULT_UNIT)
+        if "vllm_service" not in self.roles:
+            return DEFAULT_UNIT
+        return str(self.role("vllm_service").get("unit") or DEFAULT_UNIT)
 
     @cached_property
     def nvml(self) -> dict[str, Any]:
@@ -252,6 +260,15 @@ def check_driver_floor(ctx: Context) -> CheckResult:
                        note if ok else f"driver {version} is older than the floor {floor}")
 
 
+def derived_build_note(ctx: Context) -> str:
+    """What the converge derived before the install, beside what the venv really holds."""
+    derived = ctx.role("nvidia_driver").get("build")
+    if not derived:
+        return ""
+    return (f"; the converge derived {derived.get('package')} {derived.get('version')} -> torch "
+            f"{derived.get('torch_version')} -> CUDA {derived.get('cuda_version') or 'none (CPU build)'}")
+
+
 def check_driver_for_cuda(ctx: Context) -> CheckResult:
     """The CUDA of the torch really installed in the service's venv against the running driver.
 
@@ -274,7 +291,7 @@ def check_driver_for_cuda(ctx: Context) -> CheckResult:
         needed = version_chain.minimum_driver_for_cuda(cuda)
     except ValueError as err:
         return CheckResult(cid, title, "error", f"CUDA {cuda}", build, str(err))
-    expected = f"driver >= {needed}, NVML CUDA >= {cuda} ({build}, CUDA {cuda})"
+    expected = f"driver >= {needed}, NVML CUDA >= {cuda} ({build}, CUDA {cuda})" + derived_build_note(ctx)
     version, note = _driver_version(ctx)
     if version is None:
         return _no_gpu(ctx, cid, title, note, expected)
@@ -390,6 +407,10 @@ def check_cmdline_flags(ctx: Context) -> CheckResult:
     expected = " ".join(f"{k}={v}" for k, v in want)
     if not want:
         return CheckResult(cid, title, "skip", "", "", "kernel_cmdline.json lists no flags")
+    if ctx.role("kernel_cmdline").get("method") == "modprobe":
+        # The flags went to /etc/modprobe.d as driver options: the kernel command line never has them.
+        return CheckResult(cid, title, "skip", expected, "", "method modprobe: the flags are driver options "
+                           "(KRN-002 reads them in /proc/driver/nvidia/params)")
     live = parse_cmdline_flags(ctx.cmdline.read_text())
     found = " ".join(f"{k}={live[k]}" if k in live else f"{k} absent" for k, _ in want)
     wrong = [f"{k}: {'absent' if k not in live else repr(live[k])} (want {v!r})" for k, v in want
@@ -478,7 +499,8 @@ def check_cpu_governor(ctx: Context) -> CheckResult:
 def check_nccl_env(ctx: Context) -> CheckResult:
     cid, title = "ENV-001", "NCCL variables in the running vLLM processes"
     variables = {str(k): str(v) for k, v in ctx.role("nccl_env").get("variables", {}).items()}
-    expected = " ".join(f"{k}={v}" for k, v in variables.items())
+    reason = ctx.role("nccl_env").get("p2p_reason")
+    expected = " ".join(f"{k}={v}" for k, v in variables.items()) + (f" (P2P: {reason})" if reason else "")
     if "vllm_service" not in ctx.roles:
         # A host that runs the tuning roles without the service (e.g. Debian 13, where the pinned
         # build has no wheels for its Python) has no process these variables could be read from.
@@ -705,7 +727,7 @@ def classify_chat_message(message: Any, tool_names: set[str]) -> tuple[str, str]
 def check_chat(ctx: Context) -> CheckResult:
     cid, title = "API-004", "Chat completion (and a tool call where enabled)"
     role = ctx.role("vllm_service")
-    tools_enabled = str(role.get("tool_calling", False)).lower() == "true"
+    tools_enabled = role.get("tool_calling") is True
     expected = "assistant message" + (" + tool call or message" if tools_enabled else "")
     if ctx.no_completion:
         return CheckResult(cid, title, "skip", expected, "", "--no-completion")

@@ -1,18 +1,9 @@
 """``python3 -m service.verify``: run the live-state checks on this host and report them.
 
-Reads ``/etc/gptoss/verify.d/<role>.json`` (what each role promised). Keys per role file:
-
-- nvidia_driver.json: require_gpu, min_driver (default 535), vllm_venv (DRV-002 reads that venv's torch),
-  gpu_count, gpu_name_contains, p2p_expected (supported | unsupported | any), build (the chain the role
-  derived; informational)                                   -> DRV-001, DRV-002, GPU-001..GPU-004
-- kernel_cmdline.json: flags (["nvidia.NVreg_X=V", ...])    -> KRN-001, KRN-002
-- model_mount.json: mount_point, fstype, options            -> MNT-001
-- cpu_governor.json: governor                               -> CPU-001
-- nccl_env.json: variables ({NAME: value})                  -> ENV-001 (unit from vllm_service.json)
-- vllm_service.json: unit, max_restarts (default 3), argv, base_url, served_model_name, api_key_file,
-  inputs, stamp_file, tool_calling
-                                                            -> SVC-001..SVC-004, API-001..API-004
-- model_weights.json: model_dir                             -> MDL-001
+Reads ``/etc/gptoss/verify.d/<role>.json`` (what each role promised). The keys of each role's file,
+what they mean and which check reads them are the verify contract:
+``collections/ansible_collections/gptoss/host/plugins/module_utils/verify_contract.py``. A file that
+breaks it (unknown role or key, missing key, wrong type) is a configuration error (exit 2).
 
 Exit codes: 0 every check passed (skips and waived ones are fine), 1 a check failed (status fail),
 2 a tool or host error: the tool itself could not work (bad config dir, unreadable JSON, bad waivers)

@@ -15,6 +15,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "collections"))  # the collection's module_utils (ansible_collections.gptoss.host)
+
+from ansible_collections.gptoss.host.plugins.module_utils.verify_contract import CONTRACT, NONE  # noqa: E402
 
 from lab import nspawn  # noqa: E402
 
@@ -76,6 +79,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return GROUP_ORDER.index(group) if group in GROUP_ORDER else len(GROUP_ORDER)
 
     items.sort(key=rank)  # stable: tests keep their file order within a group
+
+
+def contract_record(role: str, **values) -> dict:
+    """A complete verify record of `role` (every key of the verify contract), neutral values for the
+    keys a test does not set: a record file must keep the contract, or verify refuses it (exit 2)."""
+    neutral = {str: "", list: [], dict: {}, bool: False, int: 0}
+    record = {key: (None if NONE in spec.types else neutral[spec.types[0]])
+              for key, spec in CONTRACT[role].items()}
+    if role == "vllm_service":
+        record["max_restarts"] = 3
+    return {**record, **values}
 
 
 @dataclass

@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from conftest import contract_record
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -44,7 +45,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 def write_roles(directory: Path, roles: dict) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     for name, data in roles.items():
-        (directory / f"{name}.json").write_text(json.dumps(data))
+        (directory / f"{name}.json").write_text(json.dumps(contract_record(name, **data)))
     return directory
 
 
@@ -184,12 +185,14 @@ def test_pcie_rule_gen_downtrained_passes_width_short_fails():
 
 
 def test_p2p_expectation_against_two_gpus():
-    ctx = h200_ctx({"nvidia_driver": {"p2p_expected": "unsupported"}})
-    ctx.nvml["gpus"].append(dict(ctx.nvml["gpus"][0], index=1))
-    ctx.nvml["p2p"] = [{"a": 0, "b": 1, "status": "chipset_not_supported", "code": 1}]
-    assert checks.check_p2p(ctx).status == "pass"
-    ctx.role("nvidia_driver")["p2p_expected"] = "supported"
-    assert checks.check_p2p(ctx).status == "fail"
+    def two_gpus(expected: str) -> checks.Context:
+        ctx = h200_ctx({"nvidia_driver": {"p2p_expected": expected}})
+        ctx.nvml["gpus"].append(dict(ctx.nvml["gpus"][0], index=1))
+        ctx.nvml["p2p"] = [{"a": 0, "b": 1, "status": "chipset_not_supported", "code": 1}]
+        return ctx
+
+    assert checks.check_p2p(two_gpus("unsupported")).status == "pass"
+    assert checks.check_p2p(two_gpus("supported")).status == "fail"
 
 
 def test_no_gpu_here_is_skip_or_fail_by_require_gpu():

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import contract_record
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "collections"))
@@ -175,8 +176,8 @@ def test_verify_exits_2_for_a_check_that_could_not_run_and_1_for_a_failed_one(tm
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         dead_port = sock.getsockname()[1]
-    (config / "vllm_service.json").write_text(json.dumps({
-        "base_url": f"http://127.0.0.1:{dead_port}", "served_model_name": "m", "api_key_file": str(secrets)}))
+    (config / "vllm_service.json").write_text(json.dumps(contract_record(
+        "vllm_service", base_url=f"http://127.0.0.1:{dead_port}", served_model_name="m", api_key_file=str(secrets))))
 
     def verify(only: str) -> tuple[int, dict]:
         proc = subprocess.run([sys.executable, "-m", "service.verify", "--config-dir", str(config), "--json",

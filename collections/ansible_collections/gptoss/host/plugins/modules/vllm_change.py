@@ -87,7 +87,7 @@ import time
 from urllib.parse import urlparse
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.gptoss.host.plugins.module_utils import unit_inputs
+from ansible_collections.gptoss.host.plugins.module_utils import unit_inputs, verify_contract
 
 UNIT_DIR = "/etc/systemd/system"
 
@@ -121,7 +121,11 @@ class Transaction:
         files[params["secrets_file"]] = {"content": secrets.encode(), "mode": 0o600, "secret": True,
                                          "read_by_unit": True}
         record = dict(params["record"], inputs=self.watched_paths(files), stamp_file=params["stamp_file"])
-        files[params["record_path"]] = {"content": (json.dumps(record, indent=2, sort_keys=True) + "\n").encode(),
+        try:  # the verify contract's one check, as for every other role's record
+            record = verify_contract.check_record("vllm_service", record)
+        except verify_contract.ContractError as exc:
+            self.module.fail_json(msg=f"{exc}; nothing was changed")
+        files[params["record_path"]] = {"content": verify_contract.render(record).encode(),
                                         "mode": 0o644, "secret": False, "read_by_unit": False}
         return files
 
