@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
 import sysconfig
-import tempfile
 from pathlib import Path
 
+from ansible_collections.gptoss.host.plugins.module_utils import version_chain
 from ansible_collections.gptoss.host.plugins.module_utils.version_chain import normalize_name
 
 WHEEL_DIRS = [Path("/usr/share/python-wheels"), Path(sysconfig.get_path("stdlib")) / "ensurepip" / "_bundled"]
@@ -111,15 +110,11 @@ def explain(requirement: str, pip_args: list[str], output: str) -> str:
 
 def check(requirement: str, pip_args: list[str], timeout: float) -> tuple[bool, str, int]:
     """(fits, message, packages resolved): pip's dry-run resolution for this interpreter."""
-    with tempfile.TemporaryDirectory(prefix="gptoss-fit.") as tmp:
-        report = Path(tmp) / "report.json"
-        command = [*pip_command(), "install", "--dry-run", "--ignore-installed", "--quiet",
-                   "--disable-pip-version-check", "--report", str(report), *pip_args, requirement]
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, "PIP_NO_INPUT": "1"})
-        if proc.returncode != 0:
-            return False, explain(requirement, pip_args, proc.stdout + proc.stderr), 0
-        count = len(json.loads(report.read_text()).get("install", []))
+    proc = version_chain.pip_dry_run(pip_command(), requirement, pip_args, version_chain.pip_env(isolated=False),
+                                     deps=True, timeout=timeout)
+    if proc.returncode != 0:
+        return False, explain(requirement, pip_args, proc.stdout + proc.stderr), 0
+    count = len(json.loads(proc.stdout).get("install", []))
     return True, f"{requirement} resolves for {interpreter()}: {count} packages", count
 
 

@@ -338,13 +338,21 @@ def pip_env(isolated: bool, base: dict[str, str] | None = None) -> dict[str, str
     return env
 
 
+def pip_dry_run(pip: list[str], requirement: str, args: list[str], env: dict[str, str], *, deps: bool,
+                timeout: float) -> subprocess.CompletedProcess:
+    """pip's own resolver, nothing installed: `pip install --dry-run --report -` (the JSON report on
+    stdout). The one command line for both askers: the version chain reads one package's metadata
+    (deps=False), service.install_fit resolves the whole tree for the host's Python (deps=True)."""
+    cmd = [*pip, "install", "--dry-run", "--ignore-installed", "--quiet", "--report", "-",
+           *([] if deps else ["--no-deps"]), *args, requirement]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
+
+
 def pip_report(python: str, requirement: str, args: list[str], env: dict[str, str], timeout: float = 1800
                ) -> dict[str, Any]:
     """pip's JSON install report for one requirement, resolved but not installed (no deps)."""
-    cmd = [python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps", "--quiet",
-           "--report", "-", *args, requirement]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
+        proc = pip_dry_run([python, "-m", "pip"], requirement, args, env, deps=False, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as err:
         raise ChainError(f"pip could not run for {requirement}: {err}") from err
     if proc.returncode != 0:
