@@ -25,6 +25,8 @@ from service import nvidia
 
 STATUSES = ("pass", "fail", "skip", "error")
 DEFAULT_UNIT = "gptoss-vllm.service"
+# systemd answers in milliseconds; a host under heavy load (a converge, a model copy) can take seconds.
+SYSTEMCTL_TIMEOUT_S = 20
 UNIT_PROPERTIES = ("MainPID", "ActiveState", "SubState", "UnitFileState", "NRestarts", "LoadState")
 # Options the kernel reports under another spelling than fstab uses.
 OPTION_ALIASES = {"nobarrier": {"nobarrier", "barrier=0"}}
@@ -134,9 +136,9 @@ def systemctl_show(unit: str, properties: tuple[str, ...]) -> dict[str, str]:
         raise RuntimeError("systemctl not found: this host is not managed by systemd")
     argv = [exe, "show", *[f"-p{name}" for name in properties], unit]
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=5, check=False)
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=SYSTEMCTL_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired as err:
-        raise RuntimeError("systemctl show timed out after 5 s") from err
+        raise RuntimeError(f"systemctl show timed out after {SYSTEMCTL_TIMEOUT_S} s") from err
     if proc.returncode != 0:
         message = (proc.stderr or proc.stdout).strip().splitlines()
         raise RuntimeError(f"systemctl show {unit} failed (exit {proc.returncode}): "
