@@ -110,3 +110,21 @@ def test_module_returns_the_rule_and_refuses_bad_input():
     assert ok["content"] == router_config.render_config({"policy": "round_robin"}, [ONE_BOX_TWO_GPUS])
     bad = run_module({"hosts": [], "settings": {}})
     assert bad["failed"] and "router_config: no workers" in bad["msg"]
+
+
+def test_in_flight_reads_vllms_running_and_waiting_gauges():
+    from ansible_collections.gptoss.host.plugins.module_utils import router_drain
+
+    page = ('# HELP vllm:num_requests_running Number of requests in model execution batches.\n'
+            'vllm:num_requests_running{engine="0",model_name="tiny-llama"} 2.0\n'
+            'vllm:num_requests_waiting{engine="0",model_name="tiny-llama"} 1.0\n'
+            'vllm:num_requests_running_total 99.0\n')
+    assert router_drain.in_flight(page) == 3
+    assert router_drain.in_flight("") == 0
+
+
+def test_drain_against_a_router_that_does_not_answer_is_a_clear_error():
+    from ansible_collections.gptoss.host.plugins.module_utils import router_drain
+
+    with pytest.raises(router_drain.DrainError, match=r"http://127.0.0.1:9/list_workers"):
+        router_drain.take_out("http://127.0.0.1:9", "http://127.0.0.1:8001", timeout_s=1)
