@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -126,5 +127,15 @@ def test_in_flight_reads_vllms_running_and_waiting_gauges():
 def test_drain_against_a_router_that_does_not_answer_is_a_clear_error():
     from ansible_collections.gptoss.host.plugins.module_utils import router_drain
 
-    with pytest.raises(router_drain.DrainError, match=r"http://127.0.0.1:9/list_workers"):
-        router_drain.take_out("http://127.0.0.1:9", "http://127.0.0.1:8001", timeout_s=1)
+    # Nothing listening (the router not installed yet): nothing goes through it, nothing to drain.
+    assert router_drain.take_out("http://127.0.0.1:9", "http://127.0.0.1:9", timeout_s=1)["router"] == "not running"
+    # Something listening that is not a router: a clear error, before anything is changed.
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    url = f"http://127.0.0.1:{server.getsockname()[1]}"
+    try:
+        with pytest.raises(router_drain.DrainError, match=f"{url}/list_workers"):
+            router_drain.take_out(url, "http://127.0.0.1:8001", timeout_s=1)
+    finally:
+        server.close()
