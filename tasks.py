@@ -81,7 +81,37 @@ def lab_ssh(c, command="", name=None):
     os.execvp(args[0], args)
 
 
-lab = Collection("lab", lab_up, lab_down, lab_restart, lab_status, lab_ssh)
+FLEET_INVENTORY = "inventory/fleet.py"
+
+
+@task(name="fleet-up", help={"n": "how many lab hosts (labs NAME, NAME2, ... NAMEn)",
+                             "converge": "also run site.yml over the fleet inventory (the router on the first host)",
+                             "extra": "extra ansible-playbook arguments for that converge"})
+@_lab_errors
+def lab_fleet_up(c, n=2, converge=True, extra=""):
+    """Boot N labs as one fleet (inventory/fleet.py) and converge it: every host serves, the first routes."""
+    from lab import fleet
+
+    for state, what in fleet.up(lab_name(), int(n)):
+        print(f"lab {state.name}: {what}; {state.address}")
+    if converge:
+        _ansible(c, f"ansible-playbook site.yml {extra}".strip(), FLEET_INVENTORY)
+        first = nspawn.load_state(fleet.members(lab_name())[0])
+        print(f"fleet {lab_name()}: router on http://{first.address}:8100 "
+              f"(invoke verify --inventory {FLEET_INVENTORY}; invoke bench --url http://{first.address}:8100)")
+
+
+@task(name="fleet-down")
+@_lab_errors
+def lab_fleet_down(c):
+    """Take down every lab of the fleet named $GPTOSS_LAB and forget the fleet."""
+    from lab import fleet
+
+    for line in fleet.down(lab_name()):
+        print(line)
+
+
+lab = Collection("lab", lab_up, lab_down, lab_restart, lab_status, lab_ssh, lab_fleet_up, lab_fleet_down)
 ns = Collection(lab)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from ansible_collections.gptoss.host.plugins.module_utils import unit_inputs, version_chain
 
-from service import nvidia
+from service import nvidia, router_check
 
 STATUSES = ("pass", "fail", "skip", "error")
 DEFAULT_UNIT = "gptoss-vllm.service"
@@ -762,6 +762,18 @@ def check_model_weights(ctx: Context) -> CheckResult:
                        f"{count} .safetensors files", "; ".join(problems[:5]))
 
 
+def check_router(ctx: Context) -> CheckResult:
+    """The router lists exactly the workers the inventory names (verify.d/router.json: its config)."""
+    cid, title = "RTR-001", "Router lists every worker of the inventory"
+    config = json.loads(Path(str(ctx.role("router").get("config_file", "/etc/gptoss/router.json"))).read_text())
+    result = router_check.check(config)
+    expected = " ".join(config["workers"])
+    if "error" in result:
+        return CheckResult(cid, title, "fail", expected, "no answer", result["error"])
+    reason = "; ".join(f"{what}: {' '.join(urls)}" for what in ("missing", "unexpected") if (urls := result[what]))
+    return CheckResult(cid, title, "pass" if result["ok"] else "fail", expected, " ".join(result["workers"]), reason)
+
+
 # ------------------------------------------------------------------ registry
 
 # (id, title, role file that must exist, check). Order is the report order.
@@ -786,6 +798,7 @@ CHECKS: list[tuple[str, str, str, Callable[[Context], CheckResult]]] = [
     ("API-003", "One real completion", "vllm_service", check_completion),
     ("API-004", "Chat completion (and a tool call where enabled)", "vllm_service", check_chat),
     ("MDL-001", "Weights are sound safetensors", "model_weights", check_model_weights),
+    ("RTR-001", "Router lists every worker of the inventory", "router", check_router),
 ]
 CHECK_IDS = [cid for cid, _, _, _ in CHECKS]
 

@@ -13,6 +13,9 @@ Reads ``/etc/gptoss/verify.d/<role>.json`` (what each role promised). Keys per r
   inputs, stamp_file, tool_calling
                                                             -> SVC-001..SVC-004, API-001..API-004
 - model_weights.json: model_dir                             -> MDL-001
+- vllm_service@<name>.json: as vllm_service.json, one per replica instance (gptoss-vllm@<name>)
+                                                            -> SVC-*@<name>, API-*@<name>, ENV-001@<name>
+- router.json: config_file (the router's workers and args)  -> RTR-001
 
 Exit codes: 0 every check passed (skips and waived ones are fine), 1 a check failed (status fail),
 2 a tool or host error: the tool itself could not work (bad config dir, unreadable JSON, bad waivers)
