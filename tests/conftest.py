@@ -167,6 +167,8 @@ def lab_assets() -> None:
 
 def boot_session_lab(name: str, release: str) -> nspawn.LabState:
     """A fresh lab of `release` named `name` (an old one of that name is removed first)."""
+    if os.environ.get("GPTOSS_REUSE_LAB") == "1" and nspawn.load_state(name) is not None:
+        return nspawn.load_state(name)  # a developer's shortcut: the lab kept from an earlier run
     if nspawn.load_state(name) is not None:
         nspawn.down(name)
     started = time.monotonic()
@@ -226,8 +228,14 @@ def converge_three_ways(lab: Lab, timing_prefix: str = "") -> Converge:
 
 
 @pytest.fixture(scope="session")
-def converged(fresh_lab: Lab) -> Converge:
-    """--check --diff on the fresh lab, then a full converge, then a second (idempotence) run."""
+def converged(fresh_lab: Lab) -> Converge | None:
+    """--check --diff on the fresh lab, then a full converge, then a second (idempotence) run.
+
+    GPTOSS_REUSE_LAB=1 (with GPTOSS_KEEP_LAB=1 on the earlier run): the kept lab as it is, no
+    converge, for rerunning single lab tests that run their own plays; tests that read the three
+    runs need the full fixture."""
+    if os.environ.get("GPTOSS_REUSE_LAB") == "1":
+        return None
     return converge_three_ways(fresh_lab)
 
 

@@ -396,6 +396,18 @@ def test_api_checks_fail_on_wrong_key_wrong_model_and_500(api_server, tmp_path):
     assert broken.status == "fail" and "engine dead" in broken.reason
 
 
+def test_replica_instances_are_checked_one_by_one_and_a_dead_one_hides_nothing(api_server, tmp_path):
+    serving = api_roles(api_server, tmp_path)["vllm_service"]
+    roles = {"vllm_service@0": {**serving, "unit": "gptoss-vllm@0.service"},
+             "vllm_service@1": {**serving, "unit": "gptoss-vllm@1.service", "base_url": "http://127.0.0.1:9"}}
+    res = by_id(checks.run_checks(ctx_for(roles, timeout=0.5), {"API-001", "API-002", "MNT-001"}))
+    assert set(res) == {"API-001@0", "API-002@0", "API-001@1", "API-002@1", "MNT-001"}
+    assert (res["API-001@0"].status, res["API-002@0"].status) == ("pass", "pass")
+    assert (res["API-001@1"].status, res["API-001@1"].found) == ("fail", "no response")
+    assert res["API-001@1"].title.endswith("(gptoss-vllm@1.service)")
+    assert res["MNT-001"].status == "skip"  # a host-wide check runs once
+
+
 def test_api_unreachable_fails_fast(tmp_path):
     roles = {"vllm_service": {"base_url": "http://127.0.0.1:9", "served_model_name": "m"}}
     start = time.monotonic()

@@ -74,9 +74,9 @@ def test_flag_error_text_starts_with_the_flag():
 
 def test_profiles_have_the_documented_shape_and_leave_out_injected_flags():
     profiles = load_profiles()
-    assert set(profiles) == {"4090d-x2", "4090d-dp2", "cpu-lab"}
+    assert set(profiles) == {"4090d-x2", "4090d-dp2", "4090d-tp1x2", "cpu-lab", "cpu-lab-x2"}
     for name, profile in profiles.items():
-        assert set(profile) == {"description", "flags", "env"}, name
+        assert set(profile) - {"instances"} == {"description", "flags", "env"}, name
         assert not {"model", "host", "port", "api-key"} & set(profile["flags"]), name
         assert all(isinstance(v, str) for v in profile["env"].values()), name
     x2, dp2 = profiles["4090d-x2"]["flags"], profiles["4090d-dp2"]["flags"]
@@ -88,6 +88,13 @@ def test_profiles_have_the_documented_shape_and_leave_out_injected_flags():
         # gpt-oss as its users call it: harmony tool calls, reasoning split out, async scheduling.
         assert flags["tool-call-parser"] == "openai" and flags["enable-auto-tool-choice"] is True
         assert flags["reasoning-parser"] == "openai_gptoss" and flags["async-scheduling"] is True
+    # Replica profiles: the same flags as their base at TP=1, one instance per card (or core) on its own port.
+    tp1 = profiles["4090d-tp1x2"]
+    assert tp1["flags"] == {**x2, "tensor-parallel-size": 1}
+    assert [(i["port"], i["env"]["CUDA_VISIBLE_DEVICES"]) for i in tp1["instances"]] == [(8001, "0"), (8002, "1")]
+    lab_x2 = profiles["cpu-lab-x2"]
+    assert lab_x2["flags"] == profiles["cpu-lab"]["flags"] and lab_x2["env"] == profiles["cpu-lab"]["env"]
+    assert len({i["port"] for i in lab_x2["instances"]}) == len({i["name"] for i in lab_x2["instances"]}) == 2
 
 
 def test_render_cli_injects_model_host_port_first(tmp_path):

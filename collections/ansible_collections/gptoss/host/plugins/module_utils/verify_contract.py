@@ -71,7 +71,17 @@ CONTRACT: dict[str, dict[str, Key]] = {
     "model_weights": {
         "model_dir": Key((str,), "the served folder, its checksums manifest checked (MDL-001)"),
     },
+    "router": {
+        "config_file": Key((str,), "the router's configuration: the workers RTR-001 expects it to list"),
+    },
 }
+# A replica instance's record, verify.d/vllm_service@<name>.json, keeps the contract of vllm_service.
+INSTANCE_SEPARATOR = "@"
+
+
+def contract_role(record_name: str) -> str:
+    """The role whose contract a record file keeps: 'vllm_service@0' -> 'vllm_service'."""
+    return record_name.split(INSTANCE_SEPARATOR, 1)[0]
 
 # Keys that gptoss.host.vllm_change adds to the record it is given (it knows them, the role does not).
 VLLM_CHANGE_ADDED_KEYS = ("inputs", "stamp_file")
@@ -87,9 +97,9 @@ def _type_names(types: tuple[type, ...]) -> str:
 
 def check_record(role: str, record: Mapping[str, Any]) -> dict[str, Any]:
     """The record as a plain dict when it keeps the role's contract; ContractError naming every problem."""
-    if role not in CONTRACT:
+    if contract_role(role) not in CONTRACT:
         raise ContractError(f"verify record of unknown role {role!r} (known: {', '.join(sorted(CONTRACT))})")
-    keys = CONTRACT[role]
+    keys = CONTRACT[contract_role(role)]
     problems = [f"unknown key {k!r}" for k in record if k not in keys]
     problems += [f"missing key {k!r}" for k, spec in keys.items() if spec.required and k not in record]
     for name, value in record.items():
@@ -119,7 +129,7 @@ class RoleRecord(Mapping[str, Any]):
         self._data = dict(data)
 
     def _declared(self, key: str) -> None:
-        if key not in CONTRACT.get(self.role, {}):
+        if key not in CONTRACT.get(contract_role(self.role), {}):
             raise ContractError(f"{self.role}: key {key!r} is not in the verify contract")
 
     def __getitem__(self, key: str) -> Any:

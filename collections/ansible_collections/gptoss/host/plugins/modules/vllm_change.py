@@ -52,6 +52,14 @@ options:
   lock_file: {description: The per-host change lock., type: path, default: /run/gptoss/change.lock}
   lock_wait_s: {description: Seconds to wait for the lock (0 = fail at once)., type: int, default: 1200}
   holder: {description: Who takes the lock (shown to a second run)., type: str, default: converge}
+  drain:
+    description:
+      - Drain through vllm-router when this change restarts the unit - {router_url, worker_url, timeout_s}.
+      - Before anything is written the unit is removed from the router and its in-flight requests are
+        awaited (at most timeout_s); after the gate passes it is added back. A failed gate leaves it out
+        of the router (the rest keep serving) and says so. Empty - no router.
+    type: dict
+    default: {}
 author: gptoss-host
 """
 
@@ -87,7 +95,7 @@ import time
 from urllib.parse import urlparse
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.gptoss.host.plugins.module_utils import unit_inputs, verify_contract
+from ansible_collections.gptoss.host.plugins.module_utils import router_drain, unit_inputs, verify_contract
 
 UNIT_DIR = "/etc/systemd/system"
 
@@ -301,6 +309,14 @@ class Transaction:
         if self.module.check_mode:
             return dict(result, changed=bool(changed or reasons))
         enable = state.get("UnitFileState") != "enabled"
+        drain = self.params["drain"] or {}
+        if reasons and drain:
+            try:  # before anything is written: a router that does not answer changes nothing
+                result["drain"] = router_drain.take_out(drain["router_url"], drain["worker_url"],
+                                                        float(drain.get("timeout_s", 60)))
+            except router_drain.DrainError as exc:
+                self.module.fail_json(msg=f"vllm_change: could not take {drain['worker_url']} out of the router "
+                                          f"({exc}); nothing was changed", **result)
         try:
             for path in changed:
                 self.backup(path)
@@ -323,7 +339,15 @@ class Transaction:
             if not rollout.get("ok"):
                 raise ChangeFailed(str(rollout.get("reason")))
         except (ChangeFailed, OSError, RuntimeError) as exc:
+            if result.get("drain", {}).get("was_listed"):
+                exc = ChangeFailed(f"{exc} ({drain['worker_url']} is left out of the router {drain['router_url']})")
             self.undo(str(exc), state, result)
+        if result.get("drain", {}).get("was_listed"):
+            try:
+                result["drain"].update(router_drain.put_back(drain["router_url"], drain["worker_url"]))
+            except router_drain.DrainError as exc:
+                self.module.fail_json(msg=f"vllm_change: serving with the new configuration, but not back in "
+                                          f"the router: {exc}", **{k: v for k, v in result.items() if k != "diff"})
         self.write_stamp()
         for path, spec in self.files.items():
             self.prune_backups(path, spec["secret"])
@@ -424,6 +448,7 @@ def main() -> None:
             "lock_file": {"type": "path", "default": "/run/gptoss/change.lock"},
             "lock_wait_s": {"type": "int", "default": 1200},
             "holder": {"type": "str", "default": "converge"},
+            "drain": {"type": "dict", "default": {}},
         },
         supports_check_mode=True,
     )

@@ -1,0 +1,141 @@
+"""The router's rules (module_utils/router_config.py), its module and the host-side launcher's refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "collections"))
+sys.path.insert(0, str(ROOT))
+
+from ansible_collections.gptoss.host.plugins.module_utils import router_config  # noqa: E402
+
+from service import router_launch  # noqa: E402
+
+ONE_BOX_TWO_GPUS = {"name": "box1", "address": "10.0.0.5", "port": 8000,
+                    "instances": [{"name": "0", "port": 8001}, {"name": "1", "port": 8002}]}
+PLAIN_HOST = {"name": "box2", "address": "10.0.0.6", "port": 8000, "instances": []}
+
+
+def test_every_unit_of_every_host_is_a_worker_in_inventory_order():
+    assert router_config.worker_urls([ONE_BOX_TWO_GPUS, PLAIN_HOST]) == [
+        "http://10.0.0.5:8001", "http://10.0.0.5:8002", "http://10.0.0.6:8000"]
+    assert router_config.worker_urls([{"name": "v6", "address": "fd00::1", "port": 8000}]) == ["http://[fd00::1]:8000"]
+
+
+@pytest.mark.parametrize(("hosts", "message"), [
+    ([], "no workers"),
+    ([{"name": "a", "address": "", "port": 8000}], "host a: no address"),
+    ([{"name": "a", "address": "bad host!", "port": 8000}], "neither an IP address nor a host name"),
+    ([{"name": "a", "address": "10.0.0.1", "port": 70000}], "a: port 70000 is outside 1-65535"),
+    ([{"name": "a", "address": "10.0.0.1", "port": "http"}], "a: port 'http' is not a number"),
+    ([{"name": "a", "address": "10.0.0.1", "instances": [{"name": "0", "port": 8001}, {"name": "1", "port": 8001}]}],
+     "a/1 and a/0 both serve http://10.0.0.1:8001"),
+    ([{"name": "a", "address": "10.0.0.1", "port": 8000}, {"name": "b", "address": "10.0.0.1", "port": 8000}],
+     "b and a both serve"),
+    ([{"name": "far", "address": "127.0.0.1", "port": 8000, "remote": True}],
+     "host far serves on 127.0.0.1, a loopback address, so the router on another host cannot reach it"),
+])
+def test_bad_worker_lists_are_refused(hosts, message):
+    with pytest.raises(router_config.RouterConfigError, match=message):
+        router_config.worker_urls(hosts)
+
+
+def test_argv_has_policy_health_and_metrics_and_never_a_key():
+    argv = router_config.router_argv({"host": "10.0.0.5", "port": 8100, "policy": "cache_aware",
+                                      "health_check_interval_secs": 5, "health_failure_threshold": 2,
+                                      "api_key": "must-not-appear"}, ["http://10.0.0.5:8001"])
+    assert argv[:9] == ["--host", "10.0.0.5", "--port", "8100", "--policy", "cache_aware",
+                        "--worker-urls", "http://10.0.0.5:8001", "--prometheus-host"]
+    assert argv[argv.index("--prometheus-port") + 1] == "29000"  # always explicit: labs share addresses
+    assert argv[argv.index("--health-check-interval-secs") + 1] == "5"
+    assert argv[argv.index("--health-failure-threshold") + 1] == "2"
+    assert not any("key" in a or "must-not-appear" in a for a in argv)
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"policy": "fastest"}, "policy 'fastest' is not one of"),
+    ({"health_check_interval_secs": 0}, "health_check_interval_secs: 0 is not a positive whole number"),
+    ({"retry_max_retries": "3; rm -rf /"}, "retry_max_retries"),
+    ({"port": 0}, "router: port 0 is outside"),
+])
+def test_bad_settings_are_refused(settings, message):
+    with pytest.raises(router_config.RouterConfigError, match=message):
+        router_config.router_argv(settings, ["http://10.0.0.5:8001"])
+
+
+def test_config_is_stable_and_compare_names_the_difference():
+    first = router_config.render_config({}, [ONE_BOX_TWO_GPUS])
+    assert first == router_config.render_config({}, [ONE_BOX_TWO_GPUS])
+    assert json.loads(first)["workers"] == ["http://10.0.0.5:8001", "http://10.0.0.5:8002"]
+    assert router_config.compare_workers(["http://a:1", "http://b:1"], ["http://b:1", "http://c:1"]) == {
+        "missing": ["http://a:1"], "unexpected": ["http://c:1"]}
+
+
+def test_launcher_refuses_a_key_in_the_config_and_broken_files(tmp_path, capsys):
+    with_key = tmp_path / "key.json"
+    with_key.write_text(json.dumps({"argv": ["--port", "8100", "--api-key", "x"]}))
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    assert router_launch.main([str(with_key), "--check"]) == 2
+    assert "the key does not belong in the config" in capsys.readouterr().err
+    assert router_launch.main([str(broken), "--check"]) == 2
+    assert router_launch.main([str(tmp_path / "absent.json"), "--check"]) == 2
+
+
+def run_module(args: dict) -> dict:
+    """The real module through ansible (localhost, check mode): what the role gets back."""
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_LOAD_CALLBACK_PLUGINS": "1",
+           "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.minimal", "ANSIBLE_LOCALHOST_WARNING": "0",
+           "ANSIBLE_INVENTORY_UNPARSED_WARNING": "0", "ANSIBLE_NOCOLOR": "1",
+           "ANSIBLE_CALLBACK_RESULT_FORMAT": "json"}
+    proc = subprocess.run([str(ROOT / ".venv/bin/ansible"), "localhost", "-i", "localhost,", "-c", "local", "--check",
+                           "-e", f"ansible_python_interpreter={sys.executable}",
+                           "-m", "gptoss.host.router_config", "-a", json.dumps(args)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    head, arrow, body = proc.stdout.partition("=>")
+    assert arrow, proc.stdout + proc.stderr
+    return {**json.loads(body), "failed": "FAILED" in head}
+
+
+def test_module_returns_the_rule_and_refuses_bad_input():
+    ok = run_module({"hosts": [ONE_BOX_TWO_GPUS], "settings": {"policy": "round_robin"}})
+    assert ok["changed"] is False and ok["workers"] == ["http://10.0.0.5:8001", "http://10.0.0.5:8002"]
+    assert ok["content"] == router_config.render_config({"policy": "round_robin"}, [ONE_BOX_TWO_GPUS])
+    bad = run_module({"hosts": [], "settings": {}})
+    assert bad["failed"] and "router_config: no workers" in bad["msg"]
+
+
+def test_in_flight_reads_vllms_running_and_waiting_gauges():
+    from ansible_collections.gptoss.host.plugins.module_utils import router_drain
+
+    page = ('# HELP vllm:num_requests_running Number of requests in model execution batches.\n'
+            'vllm:num_requests_running{engine="0",model_name="tiny-llama"} 2.0\n'
+            'vllm:num_requests_waiting{engine="0",model_name="tiny-llama"} 1.0\n'
+            'vllm:num_requests_running_total 99.0\n')
+    assert router_drain.in_flight(page) == 3
+    assert router_drain.in_flight("") == 0
+
+
+def test_drain_against_a_router_that_does_not_answer_is_a_clear_error():
+    from ansible_collections.gptoss.host.plugins.module_utils import router_drain
+
+    # Nothing listening (the router not installed yet): nothing goes through it, nothing to drain.
+    assert router_drain.take_out("http://127.0.0.1:9", "http://127.0.0.1:9", timeout_s=1)["router"] == "not running"
+    # Something listening that is not a router: a clear error, before anything is changed.
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    url = f"http://127.0.0.1:{server.getsockname()[1]}"
+    try:
+        with pytest.raises(router_drain.DrainError, match=f"{url}/list_workers"):
+            router_drain.take_out(url, "http://127.0.0.1:8001", timeout_s=1)
+    finally:
+        server.close()
