@@ -116,7 +116,41 @@ def lab_model(c):
     c.run(f"rm -rf {tmp} && {PYTHON} -m lab.tiny_model {tmp} && mv {tmp} {TINY_MODEL_DIR}")
 
 
+WEBUI_WHEELHOUSE_SPEC = "open-webui==0.12.4"
+
+
+def wheelhouse_torch_pin(wheelhouse: Path) -> str:
+    """`torch==<version>` of the torch wheel in vLLM's wheelhouse (from its file name): Open WebUI's
+    sentence-transformers takes any torch, and without this pin pip would fetch the index's CUDA
+    build (several GB of NVIDIA wheels) instead of the CPU build the lab already holds."""
+    wheels = sorted(wheelhouse.glob("torch-*.whl"))
+    if len(wheels) != 1:
+        raise Exit(f"{wheelhouse}: want exactly one torch wheel, found {len(wheels)} (run `invoke lab.wheelhouse`)",
+                   code=2)
+    return f"torch=={wheels[0].name.split('-')[1]}"
+
+
+@task(name="webui-wheelhouse")
+def lab_webui_wheelhouse(c):
+    """Download Open WebUI and its wheels for the webui role, offline in the lab (.cache/webui-wheelhouse; cached).
+
+    torch is pinned to the CPU build already in vLLM's wheelhouse (and taken from there)."""
+    marker = nspawn.WEBUI_WHEELHOUSE_DIR / ".complete"
+    if marker.exists() and marker.read_text() == WEBUI_WHEELHOUSE_SPEC:
+        print(f"webui wheelhouse: {WEBUI_WHEELHOUSE_SPEC} already in {nspawn.WEBUI_WHEELHOUSE_DIR}")
+        return
+    lab_wheelhouse(c)
+    torch_pin = wheelhouse_torch_pin(nspawn.WHEELHOUSE_DIR)
+    nspawn.WEBUI_WHEELHOUSE_DIR.mkdir(parents=True, exist_ok=True)
+    constraints = nspawn.WEBUI_WHEELHOUSE_DIR / ".constraints.txt"
+    constraints.write_text(torch_pin + "\n")
+    c.run(f"{PYTHON} -m pip download -q -d {nspawn.WEBUI_WHEELHOUSE_DIR} --find-links {nspawn.WHEELHOUSE_DIR} "
+          f"-c {constraints} '{WEBUI_WHEELHOUSE_SPEC}'")
+    marker.write_text(WEBUI_WHEELHOUSE_SPEC)
+
+
 lab.add_task(lab_wheelhouse)
+lab.add_task(lab_webui_wheelhouse)
 lab.add_task(lab_model)
 
 
