@@ -162,6 +162,21 @@ def test_browser_logs_in_through_tls_and_sees_the_streamed_answer(proxy):
         assert "Hello, tiny model!" in browser.find_element(By.TAG_NAME, "body").text
     finally:
         browser.quit()
+    # What the browser showed is the model's answer, not an error: the chat as Open WebUI stored it.
+    url, context = proxy
+    token = call(f"{url}/api/v1/auths/signin", context, {"email": ADMIN_EMAIL, "password": ADMIN_PASSWORD})[1]["token"]
+    chat_id = call(f"{url}/api/v1/chats/", context, token=token)[1][0]["id"]
+    messages = call(f"{url}/api/v1/chats/{chat_id}", context, token=token)[1]["chat"]["history"]["messages"]
+    answer = next(m for m in messages.values() if m.get("role") == "assistant")
+    assert answer.get("content") and not answer.get("error"), answer
+    # And the path streams: the same UI endpoint, streamed through the TLS proxy, arrives in pieces.
+    body = {"model": "tiny-llama", "stream": True, "messages": [{"role": "user", "content": "Hello"}]}
+    request = urllib.request.Request(f"{url}/api/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=120, context=context) as response:
+        assert response.headers.get_content_type() == "text/event-stream"
+        chunks = [line for line in response if line.startswith(b"data: {")]
+    assert len(chunks) > 1, chunks
     assert SCREENSHOT.stat().st_size > 10_000 and SCREENSHOT.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     if os.environ.get("GPTOSS_WEBUI_SCREENSHOT"):
         shutil.copy(SCREENSHOT, Path(os.environ["GPTOSS_WEBUI_SCREENSHOT"]))
