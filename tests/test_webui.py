@@ -147,8 +147,11 @@ def test_browser_logs_in_through_tls_and_sees_the_streamed_answer(proxy):
         deadline = time.monotonic() + 120
         done = False
         while time.monotonic() < deadline and not done:
-            answers = browser.find_elements(By.CSS_SELECTOR, "#response-content-container")
-            text = answers[-1].text.strip() if answers else ""
+            # Read in the page, in one step: the streamed message is re-rendered with each piece,
+            # so a held element reference goes stale.
+            text = browser.execute_script(
+                "const e = document.querySelectorAll('#response-content-container');"
+                "return e.length ? e[e.length - 1].innerText.trim() : '';")
             if text and (not lengths or len(text) != lengths[-1]):
                 lengths.append(len(text))
             # The copy button under the message appears once the stream has finished.
