@@ -8,7 +8,9 @@ cd "$(dirname "$0")"
 
 install_deps() {
   if [ "$(id -u)" != 0 ]; then echo "bootstrap.sh: run as root (the lab needs systemd-nspawn and loop devices)" >&2; exit 2; fi
-  local packages=(debootstrap systemd-container openssh-client e2fsprogs util-linux iproute2 python3-venv python3-pip git)
+  # chromium + chromium-driver: the headless browser of the UI test (tests/test_webui.py).
+  local packages=(debootstrap systemd-container openssh-client e2fsprogs util-linux iproute2 python3-venv python3-pip git
+                  chromium chromium-driver)
   if ! dpkg -s "${packages[@]}" >/dev/null 2>&1; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${packages[@]}" >/dev/null

@@ -163,7 +163,92 @@ def lab_model(c):
     c.run(f"rm -rf {tmp} && {PYTHON} -m lab.tiny_model {tmp} && mv {tmp} {TINY_MODEL_DIR}")
 
 
+WEBUI_WHEELHOUSE_SPEC = "open-webui==0.12.4"
+
+
+def wheelhouse_torch_pin(wheelhouse: Path) -> str:
+    """`torch==<version>` of the torch wheel in vLLM's wheelhouse (from its file name): Open WebUI's
+    sentence-transformers takes any torch, and without this pin pip would fetch the index's CUDA
+    build (several GB of NVIDIA wheels) instead of the CPU build the lab already holds."""
+    wheels = sorted(wheelhouse.glob("torch-*.whl"))
+    if len(wheels) != 1:
+        raise Exit(f"{wheelhouse}: want exactly one torch wheel, found {len(wheels)} (run `invoke lab.wheelhouse`)",
+                   code=2)
+    return f"torch=={wheels[0].name.split('-')[1]}"
+
+
+def lab_python_version(tarball: Path) -> str:
+    """The version of the system Python in the lab's rootfs, from its dpkg database: pip must
+    resolve for that Python (3.11.2 on bookworm), not the controller's, because requirements carry
+    markers on the full version (redis wants async-timeout below 3.11.3)."""
+    import re
+    import tarfile
+
+    with tarfile.open(tarball) as archive:
+        member = archive.extractfile("./var/lib/dpkg/status")
+        status = member.read().decode() if member else ""
+    for stanza in status.split("\n\n"):
+        if re.search(r"^Package: python3\.\d+-minimal$", stanza, re.MULTILINE):
+            version = re.search(r"^Version: (\d+\.\d+\.\d+)", stanza, re.MULTILINE)
+            if version:
+                return version.group(1)
+    raise Exit(f"{tarball}: no python3.X-minimal package in its dpkg status", code=2)
+
+
+def requirements_only_for(wheelhouse: Path, python_version: str) -> list[str]:
+    """Requirements of the wheels in `wheelhouse` whose marker holds for `python_version` but not for
+    the Python running this: pip evaluates markers against the running interpreter even with
+    --python-version, so these would be missing when the lab's older Python installs."""
+    import zipfile
+    from email.parser import Parser
+
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+
+    here = default_environment()
+    there = {**here, "python_full_version": python_version, "python_version": ".".join(python_version.split(".")[:2])}
+    wanted = set()
+    for wheel in wheelhouse.glob("*.whl"):
+        with zipfile.ZipFile(wheel) as archive:
+            name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+            metadata = Parser().parsestr(archive.read(name).decode("utf-8", "replace"))
+        for line in metadata.get_all("Requires-Dist") or []:
+            requirement = Requirement(line)
+            marker = requirement.marker
+            if marker and "extra" not in str(marker) and marker.evaluate(there) and not marker.evaluate(here):
+                requirement.marker = None
+                wanted.add(str(requirement))
+    return sorted(wanted)
+
+
+@task(name="webui-wheelhouse")
+def lab_webui_wheelhouse(c):
+    """Download Open WebUI and its wheels for the webui role, offline in the lab (.cache/webui-wheelhouse; cached).
+
+    torch is pinned to the CPU build already in vLLM's wheelhouse (and taken from there)."""
+    marker = nspawn.WEBUI_WHEELHOUSE_DIR / ".complete"
+    if marker.exists() and marker.read_text() == WEBUI_WHEELHOUSE_SPEC + " for the lab's Python":
+        print(f"webui wheelhouse: {WEBUI_WHEELHOUSE_SPEC} already in {nspawn.WEBUI_WHEELHOUSE_DIR}")
+        return
+    lab_wheelhouse(c)
+    torch_pin = wheelhouse_torch_pin(nspawn.WHEELHOUSE_DIR)
+    nspawn.WEBUI_WHEELHOUSE_DIR.mkdir(parents=True, exist_ok=True)
+    constraints = nspawn.WEBUI_WHEELHOUSE_DIR / ".constraints.txt"
+    constraints.write_text(torch_pin + "\n")
+    python_version = lab_python_version(nspawn.rootfs_tarball())
+    c.run(f"{PYTHON} -m pip download -q -d {nspawn.WEBUI_WHEELHOUSE_DIR} --find-links {nspawn.WHEELHOUSE_DIR} "
+          f"-c {constraints} --only-binary=:all: --python-version {python_version} '{WEBUI_WHEELHOUSE_SPEC}'")
+    extra = requirements_only_for(nspawn.WEBUI_WHEELHOUSE_DIR, python_version)
+    if extra:
+        print(f"webui wheelhouse: for the lab's Python {python_version} also: {', '.join(extra)}")
+        quoted = " ".join(f"'{r}'" for r in extra)
+        c.run(f"{PYTHON} -m pip download -q -d {nspawn.WEBUI_WHEELHOUSE_DIR} -c {constraints} --only-binary=:all: "
+              f"--python-version {python_version} {quoted}")
+    marker.write_text(WEBUI_WHEELHOUSE_SPEC + " for the lab's Python")
+
+
 lab.add_task(lab_wheelhouse)
+lab.add_task(lab_webui_wheelhouse)
 lab.add_task(lab_model)
 
 

@@ -26,6 +26,9 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 LABS_DIR = Path(os.environ.get("GPTOSS_LAB_DIR", PROJECT_ROOT / ".lab"))
 CACHE_DIR = Path(os.environ.get("GPTOSS_CACHE_DIR", PROJECT_ROOT / ".cache"))
 WHEELHOUSE_DIR = CACHE_DIR / "wheelhouse"
+# Open WebUI's wheels (`invoke lab.webui-wheelhouse`), kept apart from vLLM's: the webui role
+# installs them into a venv of their own, offline.
+WEBUI_WHEELHOUSE_DIR = CACHE_DIR / "webui-wheelhouse"
 
 # Bump when the package list or rootfs preparation changes, so stale caches are rebuilt.
 ROOTFS_VERSION = 3
@@ -45,7 +48,10 @@ MODEL_DISK_SIZE = "2G"
 # (compressed RAM) is preferred: grub-probe treats it as a plain disk, so the real update-grub
 # works inside the lab. A loop device is the fallback, but grub-probe follows a loop device to its
 # backing file, which does not exist inside the lab, so update-grub cannot run there.
-ROOT_DISK_SIZE = "6G"
+# 10G: the base system (~1 GiB), vLLM's venv (3.5 GiB) and, where the webui role is switched on,
+# Open WebUI's venv (2.9 GiB measured). zram and the sparse loop file take memory or disk only for
+# what is written, so a lab without the UI costs no more than before.
+ROOT_DISK_SIZE = "10G"
 ZRAM_CONTROL = Path("/sys/class/zram-control")
 BOOT_TIMEOUT_S = 90
 STOP_TIMEOUT_S = 30
@@ -455,6 +461,8 @@ def boot(state: LabState) -> None:
     # Bound even while empty, so wheels downloaded later show up without a lab restart.
     WHEELHOUSE_DIR.mkdir(parents=True, exist_ok=True)
     cmd.append(f"--bind-ro={WHEELHOUSE_DIR}:/srv/wheelhouse")
+    WEBUI_WHEELHOUSE_DIR.mkdir(parents=True, exist_ok=True)
+    cmd.append(f"--bind-ro={WEBUI_WHEELHOUSE_DIR}:/srv/webui-wheelhouse")
     started = time.monotonic()
     with open(state.log_file, "ab") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)

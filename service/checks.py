@@ -796,6 +796,48 @@ def check_router(ctx: Context) -> CheckResult:
         return CheckResult(cid, title, "fail", expected, "no answer", result["error"])
     reason = "; ".join(f"{what}: {' '.join(urls)}" for what in ("missing", "unexpected") if (urls := result[what]))
     return CheckResult(cid, title, "pass" if result["ok"] else "fail", expected, " ".join(result["workers"]), reason)
+# ------------------------------------------------------------------ chat UI (webui role)
+
+# Sign-in hashes the password and the model list asks the upstream: slower than a bare /health.
+WEBUI_TIMEOUT_S = 15.0
+
+
+def _webui_json(url: str, timeout: float, body: dict | None = None, token: str = "") -> Any:
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers=headers, method="POST" if body is not None else "GET")
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read() or b"null")
+
+
+def check_webui(ctx: Context) -> CheckResult:
+    """The UI answers, the admin signs in, and the UI's own model list holds the served model."""
+    cid, title = "WEB-001", "Open WebUI signs the admin in and lists the served model"
+    role = ctx.role("webui")
+    want = str(ctx.role("vllm_service").get("served_model_name", "")) if "vllm_service" in ctx.roles else ""
+    base = str(role.get("base_url", "http://127.0.0.1:8080")).rstrip("/")
+    timeout = max(ctx.timeout, WEBUI_TIMEOUT_S)
+    try:
+        secrets = unit_inputs.read_env_file(str(role.get("secrets_file", "")))
+        email, password = secrets["WEBUI_ADMIN_EMAIL"], secrets["WEBUI_ADMIN_PASSWORD"]
+    except (unit_inputs.KeyFileError, KeyError) as err:
+        return CheckResult(cid, title, "error", want, "", f"admin account unreadable: {err}")
+    step = "GET /health"
+    try:
+        _webui_json(f"{base}/health", timeout)
+        step = "sign-in as the admin"
+        token = _webui_json(f"{base}/api/v1/auths/signin", timeout, {"email": email, "password": password})["token"]
+        step = "GET /api/models"
+        ids = [str(m.get("id")) for m in _webui_json(f"{base}/api/models", timeout, token=token).get("data", [])]
+    except urllib.error.HTTPError as err:
+        return CheckResult(cid, title, "fail", want, f"HTTP {err.code}", f"{step} refused")
+    except (urllib.error.URLError, OSError, TimeoutError, ValueError, KeyError, TypeError, AttributeError) as err:
+        return CheckResult(cid, title, "fail", want, "no usable answer", f"{step}: {getattr(err, 'reason', err)}")
+    ok = bool(want) and want in ids
+    return CheckResult(cid, title, "pass" if ok else "fail", want, ", ".join(ids) or "no models",
+                       "" if ok else f"{want!r} not listed by the UI (upstream unreachable or key refused?)")
 
 
 # ------------------------------------------------------------------ registry
@@ -823,6 +865,7 @@ CHECKS: list[tuple[str, str, str, Callable[[Context], CheckResult]]] = [
     ("API-004", "Chat completion (and a tool call where enabled)", "vllm_service", check_chat),
     ("MDL-001", "Weights are sound safetensors", "model_weights", check_model_weights),
     ("RTR-001", "Router lists every worker of the inventory", "router", check_router),
+    ("WEB-001", "Open WebUI signs the admin in and lists the served model", "webui", check_webui),
 ]
 CHECK_IDS = [cid for cid, _, _, _ in CHECKS]
 

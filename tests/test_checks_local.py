@@ -573,3 +573,70 @@ def test_chat_answers_that_are_broken_name_the_problem(message, problem):
 def test_chat_check_skips_with_no_completion(tmp_path, api_server):
     res = checks.check_chat(ctx_for(api_roles(api_server, tmp_path), no_completion=True))
     assert (res.id, res.status, res.reason) == ("API-004", "skip", "--no-completion")
+
+
+# ------------------------------------------------------------------ WEB-001 (Open WebUI's sign-in and model list)
+
+WEBUI_PASSWORD = 'admin pass "#1" $x'
+
+
+class FakeWebui(BaseHTTPRequestHandler):
+    """Open WebUI's shape: /health, sign-in returning a token, /api/models only with that token."""
+
+    models = ["gpt-oss-20b"]
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, code: int, body: dict | None = None):
+        data = json.dumps(body or {}).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path == "/health":
+            return self._send(200, {"status": True})
+        if self.path == "/api/models" and self.headers.get("Authorization") == "Bearer tok-1":
+            return self._send(200, {"data": [{"id": m} for m in self.models]})
+        return self._send(401)
+
+    def do_POST(self):
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/api/v1/auths/signin" and request == {"email": "admin@x.invalid", "password": WEBUI_PASSWORD}:
+            return self._send(200, {"token": "tok-1"})
+        return self._send(400, {"detail": "The email or password provided is incorrect."})
+
+
+@pytest.fixture
+def webui_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeWebui)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    FakeWebui.models = ["gpt-oss-20b"]
+
+
+def webui_roles(server, tmp_path, password: str = WEBUI_PASSWORD) -> dict:
+    secrets = tmp_path / "webui-secrets.env"
+    secrets.write_text(checks.unit_inputs.env_file_text({"WEBUI_ADMIN_EMAIL": "admin@x.invalid",
+                                                         "WEBUI_ADMIN_PASSWORD": password}))
+    return {"webui": {"base_url": f"http://127.0.0.1:{server.server_address[1]}", "secrets_file": str(secrets)},
+            "vllm_service": {"served_model_name": "gpt-oss-20b"}}
+
+
+def test_web_001_passes_fails_and_never_prints_the_password(webui_server, tmp_path):
+    good = checks.check_webui(ctx_for(webui_roles(webui_server, tmp_path)))
+    assert good.status == "pass" and good.found == "gpt-oss-20b"
+    wrong = checks.check_webui(ctx_for(webui_roles(webui_server, tmp_path, password="not-it-at-all")))
+    assert wrong.status == "fail" and wrong.found == "HTTP 400" and "sign-in" in wrong.reason
+    FakeWebui.models = []
+    empty = checks.check_webui(ctx_for(webui_roles(webui_server, tmp_path)))
+    assert empty.status == "fail" and "not listed" in empty.reason
+    missing = webui_roles(webui_server, tmp_path)
+    missing["webui"]["secrets_file"] = str(tmp_path / "absent.env")
+    assert checks.check_webui(ctx_for(missing)).status == "error"
+    assert all(WEBUI_PASSWORD not in str(r.to_dict()) for r in (good, wrong, empty))

@@ -91,6 +91,55 @@ def read_api_key(path: str) -> str:
     return key
 
 
+# ------------------------------------------------------------------ other secrets files
+
+# The same single-quote form for any secret a unit reads through EnvironmentFile= (the webui role's
+# admin password, session key): one rule, so what one file refuses the other refuses too.
+_ENV_NAME = re.compile(r"^[A-Z][A-Z0-9_]*$")
+_ENV_LINE = re.compile(r"^([A-Z][A-Z0-9_]*)='([^']*)'$")
+
+
+def env_file_text(values: dict[str, str]) -> str:
+    """`NAME='value'` lines, sorted by name. ValueError naming the variable (never the value) for a
+    name or value that systemd would not pass through unchanged."""
+    lines = []
+    for name in sorted(values):
+        if not _ENV_NAME.match(name):
+            raise ValueError(f"{name!r} is not an environment variable name (A-Z, 0-9, _)")
+        problem = api_key_problem(str(values[name]))
+        if problem:
+            raise ValueError(f"{name} refused: {problem.replace('the key', 'the value')}; rule: "
+                             f"{API_KEY_RULE.replace('an API key', 'a secret value')}")
+        lines.append(f"{name}='{values[name]}'\n")
+    return "".join(lines)
+
+
+def parse_env_file(text: str) -> dict[str, str]:
+    """The values of a file that env_file_text wrote; KeyFileError for any other line."""
+    values: dict[str, str] = {}
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        match = _ENV_LINE.match(line)
+        if not match:
+            raise KeyFileError(f"line {number} is not of the form NAME='<value>' that this project writes")
+        values[match.group(1)] = match.group(2)
+    return values
+
+
+def read_env_file(path: str) -> dict[str, str]:
+    """The values of a secrets file on disk. The caller never prints them."""
+    try:
+        with open(path, encoding="ascii") as handle:
+            text = handle.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KeyFileError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        return parse_env_file(text)
+    except KeyFileError as exc:
+        raise KeyFileError(f"{path}: {exc}") from None
+
+
 # ------------------------------------------------------------------ content of the inputs
 
 

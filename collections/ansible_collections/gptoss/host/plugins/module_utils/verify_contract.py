@@ -71,6 +71,10 @@ CONTRACT: dict[str, dict[str, Key]] = {
     "model_weights": {
         "model_dir": Key((str,), "the served folder, its checksums manifest checked (MDL-001)"),
     },
+    "webui": {
+        "base_url": Key((str,), "where Open WebUI listens (WEB-001)"),
+        "secrets_file": Key((str,), "root-only file with the admin account WEB-001 signs in with"),
+    },
     "router": {
         "config_file": Key((str,), "the router's configuration: the workers RTR-001 expects it to list"),
     },
