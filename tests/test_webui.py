@@ -18,7 +18,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Lab, record_timing
+from conftest import ROOT, Lab, record_timing, run_invoke
+
+from lab import nspawn
 
 API_KEY = "lab-test-key-0123456789abcdef"
 # The lab's own credentials (inventory/group_vars/lab.yml); a real host keeps them in a vault.
@@ -32,6 +34,10 @@ CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 @pytest.fixture(scope="module")
 def webui(lab: Lab):
     """The webui role on, then the same play again; off and the key removed afterwards."""
+    # Open WebUI's offline wheels (cached; bound into every lab at /srv/webui-wheelhouse).
+    with nspawn.file_lock(nspawn.CACHE_DIR / "lab-assets.lock"):
+        wheels = run_invoke("lab.webui-wheelhouse", timeout=1800)
+    assert wheels.returncode == 0, wheels.stdout[-3000:] + wheels.stderr[-3000:]
     first = lab.play("playbooks/vllm.yml", extra_vars=WEBUI_VARS)
     assert first.rc == 0, first.output[-5000:]
     record_timing("webui_converge", first.seconds)
