@@ -11,7 +11,7 @@ Reads ``/etc/gptoss/verify.d/<role>.json`` (what each role promised). Keys per r
 - nccl_env.json: variables ({NAME: value})                  -> ENV-001 (unit from vllm_service.json)
 - vllm_service.json: unit, max_restarts (default 3), argv, base_url, served_model_name, api_key_file,
   inputs, stamp_file, tool_calling
-                                                            -> SVC-001..SVC-004, API-001..API-004
+                                                            -> SVC-001..SVC-005, API-001..API-004
 - model_weights.json: model_dir                             -> MDL-001
 
 Exit codes: 0 every check passed (skips and waived ones are fine), 1 a check failed (status fail),
