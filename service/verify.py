@@ -10,7 +10,7 @@ Reads ``/etc/gptoss/verify.d/<role>.json`` (what each role promised). Keys per r
 - cpu_governor.json: governor                               -> CPU-001
 - nccl_env.json: variables ({NAME: value})                  -> ENV-001 (unit from vllm_service.json)
 - vllm_service.json: unit, max_restarts (default 3), argv, base_url, served_model_name, api_key_file,
-  inputs, stamp_file, tool_calling
+  inputs, stamp_file, tool_calling, venv_pointer, venvs_dir (SVC-005)
                                                             -> SVC-001..SVC-005, API-001..API-004
 - model_weights.json: model_dir                             -> MDL-001
 
