@@ -154,8 +154,9 @@ def test_a_play_killed_mid_install_leaves_the_server_untouched_and_the_next_run_
         time.sleep(2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    for remote in remote_pids(lab, "pip install") + remote_pids(lab, "AnsiballZ"):  # the host side dies too
-        lab.ssh(f"kill -9 {remote}", check=False)
+    # The host side dies too, all at once: the module first would otherwise clean up after its pip.
+    doomed = remote_pids(lab, "AnsiballZ") + remote_pids(lab, "pip install")
+    lab.ssh(f"kill -9 {' '.join(map(str, doomed))}", check=False)
     half = venv_of(lab, OLD)
     assert half and lab.ssh(f"test -e {half[0]}/gptoss-venv.json", check=False).returncode == 1, half
     assert (lab.main_pid(), pointer(lab)) == (pid, target)
