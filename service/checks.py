@@ -20,7 +20,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from ansible_collections.gptoss.host.plugins.module_utils import unit_inputs, verify_contract, version_chain
+from ansible_collections.gptoss.host.plugins.module_utils import unit_inputs, venv_store, verify_contract, version_chain
 
 from service import nvidia, router_check
 
@@ -612,6 +612,35 @@ def check_restart_pending(ctx: Context) -> CheckResult:
                        if pending else "")
 
 
+def check_running_venv(ctx: Context) -> CheckResult:
+    cid, title = "SVC-005", "Running vLLM comes from the venv pointer's target"
+    role = ctx.role("vllm_service")
+    pointer, venvs_dir = str(role.get("venv_pointer", "")), str(role.get("venvs_dir", ""))
+    if not pointer or not venvs_dir:
+        return CheckResult(cid, title, "skip", "", "", "verify.d/vllm_service.json names no venv pointer")
+    target = venv_store.pointer_target(pointer)
+    manifest = venv_store.read_manifest(target) if target else None
+    expected = f"{pointer} -> {target or '(no pointer)'}" + (f" ({manifest.get('package')} {manifest.get('version')})"
+                                                               if manifest else "")
+    try:
+        pid = ctx.main_pid()
+        running = venv_store.venv_of_process(pid, venvs_dir)
+    except (RuntimeError, OSError) as err:
+        return CheckResult(cid, title, "error", expected, "", str(err))
+    except LookupError as err:
+        return CheckResult(cid, title, "fail", expected, "", str(err))
+    running_manifest = venv_store.read_manifest(running) if running else None
+    found = f"PID {pid} from {running or '(no versioned venv mapped)'}" + (
+        f": {running_manifest.get('package')} {running_manifest.get('version')}" if running_manifest else "")
+    if target is None:
+        return CheckResult(cid, title, "fail", expected, found, f"{pointer} is not a symlink to a versioned venv")
+    if running != target:
+        return CheckResult(cid, title, "fail", expected, found,
+                           f"the running server does not come from {target}: a pointer switch without the "
+                           "restart behind the gate (or a manual change); converge or `invoke rollback`")
+    return CheckResult(cid, title, "pass", expected, found, "")
+
+
 # ------------------------------------------------------------------ HTTP API
 
 
@@ -859,6 +888,7 @@ CHECKS: list[tuple[str, str, str, Callable[[Context], CheckResult]]] = [
     ("SVC-002", "vLLM unit restart count", "vllm_service", check_restarts),
     ("SVC-003", "Running command line equals vllm-args", "vllm_service", check_cmdline_matches),
     ("SVC-004", "Running vLLM started with the configuration on disk", "vllm_service", check_restart_pending),
+    ("SVC-005", "Running vLLM comes from the venv pointer's target", "vllm_service", check_running_venv),
     ("API-001", "GET /health", "vllm_service", check_health),
     ("API-002", "GET /v1/models lists the served model", "vllm_service", check_models),
     ("API-003", "One real completion", "vllm_service", check_completion),

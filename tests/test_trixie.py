@@ -51,7 +51,7 @@ def test_full_converge_then_a_second_run_changes_nothing(trixie_converged: Conve
     assert trixie_converged.second.rc == 0, trixie_converged.second.output[-4000:]
     assert trixie_converged.second.recap["changed"] == 0, trixie_converged.second.output[-6000:]
     # The inventory switched the vLLM roles off on trixie: their tasks were skipped, not run.
-    assert "vllm_service : Pinned vLLM in the venv" not in trixie_converged.first.output
+    assert "vllm_service : Build the versioned venv" not in trixie_converged.first.output
 
 
 def test_host_roles_took_effect_with_the_real_update_grub(trixie_lab: Lab, trixie_converged: Converge):

@@ -50,7 +50,7 @@ def written_keys() -> dict[str, set[str]]:
             if "gptoss.host.verify_record" in task:
                 args = task["gptoss.host.verify_record"]
                 written.setdefault(args["role"], set()).update(args["record"])
-            if "gptoss.host.vllm_change" in task:
+            if "record" in (task.get("gptoss.host.vllm_change") or {}):  # a rollback restores a saved record
                 written.setdefault("vllm_service", set()).update(task["gptoss.host.vllm_change"]["record"])
                 written["vllm_service"].update(VLLM_CHANGE_ADDED_KEYS)
     return written

