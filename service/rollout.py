@@ -82,8 +82,25 @@ def health_status(base_url: str) -> str | None:
         return str(getattr(exc, "reason", exc))
 
 
+def unit_restarts(unit: str) -> int | None:
+    """systemd's count of automatic restarts of the unit (None when it cannot be read)."""
+    if shutil.which("systemctl") is None:
+        return None
+    try:
+        result = subprocess.run(["systemctl", "show", "-p", "NRestarts", "--value", unit],
+                                capture_output=True, text=True, timeout=10, check=False)
+    except subprocess.TimeoutExpired:
+        return None
+    value = result.stdout.strip()
+    return int(value) if result.returncode == 0 and value.isdigit() else None
+
+
 def wait_for_health(base_url: str, clock: Clock, unit: str | None) -> None:
     last_unit_check = 0.0
+    # A server that exits while starting is restarted by systemd (Restart=on-failure) and never shows
+    # as failed until the start limit: waiting for "failed" would wait out the whole timeout. An
+    # automatic restart since the gate began is the crash itself, so it ends the wait at once.
+    restarts_before = unit_restarts(unit) if unit else None
     while True:
         state = health_status(base_url)
         if state is None:
@@ -92,6 +109,10 @@ def wait_for_health(base_url: str, clock: Clock, unit: str | None) -> None:
             last_unit_check = time.monotonic()
             if unit_has_failed(unit):
                 raise RolloutFailed(f"unit {unit} failed while waiting for /health (last: {state})")
+            restarts = unit_restarts(unit)
+            if restarts is not None and restarts_before is not None and restarts > restarts_before:
+                raise RolloutFailed(f"unit {unit} exited while starting and systemd restarted it "
+                                    f"(NRestarts {restarts_before} -> {restarts}; last /health: {state})")
         if clock.remaining() <= 0:
             raise RolloutFailed(
                 f"timeout after {clock.since_origin()}s waiting for {base_url}/health (last: {state})"
