@@ -418,12 +418,13 @@ def vllm_venv(c):
 
 @task(help={"k": "pytest -k expression", "args": "extra pytest arguments",
             "workers": "pytest-xdist workers (default 2; 0 = one process). Tests that share a lab, or a "
-                       "module's fixtures, stay on one worker (tests/conftest.py: xdist_group_of)"})
-def test(c, k="", args="", workers=2):
+                       "module's fixtures, stay on one worker (tests/conftest.py: xdist_group_of)",
+            "drills": "also run the long lab drills (pytest marker 'drill'), left out by default"})
+def test(c, k="", args="", workers=2, drills=False):
     """The whole test suite: lint, unit tests, real vLLM tests and the lab tests (what CI runs)."""
     vllm_venv(c)
     lab_model(c)
-    selection = f"-k '{k}'" if k else ""
+    selection = (f"-k '{k}'" if k else "") + ("" if drills else " -m 'not drill'")
     # Two workers: the session lab's tests (the longest chain) run beside everything else; the caches
     # above are built before the workers start, so they never race for them.
     parallel = f"-n {int(workers)} --dist loadgroup --no-loadscope-reorder" if int(workers) > 1 else ""

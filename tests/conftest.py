@@ -47,8 +47,11 @@ TRIXIE_LAB_FIXTURES = {"trixie_lab", "trixie_converged"}
 # Modules that need only a converged bookworm lab, none of the fresh-host steps: a second group, so
 # that a second worker can run them on a lab of its own beside the first (the longest chain).
 SECOND_BOOKWORM_LAB_MODULES = {"test_failpaths_lab", "test_faults", "test_verify_lab"}
+# The upgrade drill builds two more venvs and restarts vLLM a handful of times: a third group.
+THIRD_BOOKWORM_LAB_MODULES = {"test_upgrade_lab"}
 # Longest chains first: the scheduler hands groups out in this order, one to each free worker.
-GROUP_ORDER = ["lab-bookworm", "lab-bookworm-b", "lab-trixie", "lab-bare-bookworm", "lab-bare-trixie"]
+GROUP_ORDER = ["lab-bookworm", "lab-bookworm-b", "lab-bookworm-c", "lab-trixie", "lab-bare-bookworm",
+               "lab-bare-trixie"]
 
 
 def xdist_group_of(item: pytest.Item) -> str:
@@ -59,7 +62,9 @@ def xdist_group_of(item: pytest.Item) -> str:
     if "apt_restored" in names:  # picks its lab at run time, by parameter
         return "lab-trixie" if params.get("apt_restored") == "trixie" else "lab-bookworm"
     if names & BOOKWORM_LAB_FIXTURES:
-        return "lab-bookworm-b" if item.module.__name__ in SECOND_BOOKWORM_LAB_MODULES else "lab-bookworm"
+        if item.module.__name__ in SECOND_BOOKWORM_LAB_MODULES:
+            return "lab-bookworm-b"
+        return "lab-bookworm-c" if item.module.__name__ in THIRD_BOOKWORM_LAB_MODULES else "lab-bookworm"
     if names & TRIXIE_LAB_FIXTURES:
         return "lab-trixie"
     if "bare_lab" in names:

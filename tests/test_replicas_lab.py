@@ -17,6 +17,10 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, Lab, record_timing, run_invoke
 
+# A drill, not in the default run (`invoke test --drills` runs it): it has not yet passed in the lab
+# (issue 19 is open) and costs ~7 minutes of the CI budget.
+pytestmark = pytest.mark.drill
+
 REPLICAS = {"vllm_service_profile": "cpu-lab-x2", "router_enabled": True}
 OUT = ROOT / ".cache" / "bench" / "replicas"
 
