@@ -156,6 +156,23 @@ class Lab:
         return f"http://{self.state.address}:8000"
 
 
+def run_ansible_module(module: str, args: dict, *flags: str) -> dict:
+    """The real module through ansible on this machine (`ansible localhost -m gptoss.host.X`): its JSON
+    result as a role gets it, plus `failed` and `printed_diff` (the minimal callback prints a --diff
+    before the "host | STATUS =>" line)."""
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_LOAD_CALLBACK_PLUGINS": "1",
+           "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.minimal", "ANSIBLE_LOCALHOST_WARNING": "0",
+           "ANSIBLE_INVENTORY_UNPARSED_WARNING": "0", "ANSIBLE_NOCOLOR": "1",
+           "ANSIBLE_CALLBACK_RESULT_FORMAT": "json"}
+    proc = subprocess.run([str(VENV_BIN / "ansible"), "localhost", "-i", "localhost,", "-c", "local", *flags,
+                           "-e", f"ansible_python_interpreter={sys.executable}",
+                           "-m", f"gptoss.host.{module}", "-a", json.dumps(args)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    head, arrow, body = proc.stdout.partition("=>")
+    assert arrow, proc.stdout + proc.stderr
+    return {**json.loads(body), "failed": "FAILED" in head, "printed_diff": head.rpartition("\n")[0]}
+
+
 def run_invoke(*args: str, env: dict | None = None, timeout: float = 1800) -> subprocess.CompletedProcess:
     return subprocess.run([str(VENV_BIN / "invoke"), *args], cwd=ROOT, env=env or os.environ,
                           capture_output=True, text=True, timeout=timeout)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_ansible_module
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "collections"))
@@ -68,19 +67,8 @@ def test_bad_extra_variables_are_refused(extra, message):
 
 
 def run_module(args: dict) -> dict:
-    """Run the real module through ansible (localhost, check mode): what the role gets back."""
-    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_LOAD_CALLBACK_PLUGINS": "1",
-           "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.minimal", "ANSIBLE_LOCALHOST_WARNING": "0",
-           "ANSIBLE_INVENTORY_UNPARSED_WARNING": "0", "ANSIBLE_NOCOLOR": "1",
-           "ANSIBLE_CALLBACK_RESULT_FORMAT": "json"}
-    proc = subprocess.run([str(ROOT / ".venv/bin/ansible"), "localhost", "-i", "localhost,", "-c", "local", "--check",
-                           "-e", f"ansible_python_interpreter={sys.executable}",
-                           "-m", "gptoss.host.nccl_policy", "-a", json.dumps(args)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    # minimal callback: "localhost | SUCCESS => {...}" (or FAILED!)
-    head, arrow, body = proc.stdout.partition("=>")
-    assert arrow, proc.stdout + proc.stderr
-    return {**json.loads(body), "failed": "FAILED" in head}
+    """The real module through ansible (localhost, check mode): what the role gets back."""
+    return run_ansible_module("nccl_policy", args, "--check")
 
 
 def test_module_returns_the_rule_and_refuses_bad_input():

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_ansible_module
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "collections"))
@@ -92,17 +91,7 @@ def test_launcher_refuses_a_key_in_the_config_and_broken_files(tmp_path, capsys)
 
 def run_module(args: dict) -> dict:
     """The real module through ansible (localhost, check mode): what the role gets back."""
-    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_LOAD_CALLBACK_PLUGINS": "1",
-           "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.minimal", "ANSIBLE_LOCALHOST_WARNING": "0",
-           "ANSIBLE_INVENTORY_UNPARSED_WARNING": "0", "ANSIBLE_NOCOLOR": "1",
-           "ANSIBLE_CALLBACK_RESULT_FORMAT": "json"}
-    proc = subprocess.run([str(ROOT / ".venv/bin/ansible"), "localhost", "-i", "localhost,", "-c", "local", "--check",
-                           "-e", f"ansible_python_interpreter={sys.executable}",
-                           "-m", "gptoss.host.router_config", "-a", json.dumps(args)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    head, arrow, body = proc.stdout.partition("=>")
-    assert arrow, proc.stdout + proc.stderr
-    return {**json.loads(body), "failed": "FAILED" in head}
+    return run_ansible_module("router_config", args, "--check")
 
 
 def test_module_returns_the_rule_and_refuses_bad_input():

@@ -6,7 +6,6 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ from ansible_collections.gptoss.host.plugins.module_utils.verify_contract import
     RoleRecord,
     check_record,
 )
-from conftest import ROOT, contract_record
+from conftest import ROOT, contract_record, run_ansible_module
 
 MODULES = ROOT / "collections/ansible_collections/gptoss/host/plugins/modules"
 READERS = [ROOT / "service/checks.py", MODULES / "vllm_change.py"]
@@ -167,18 +166,8 @@ def test_verify_refuses_a_record_outside_the_contract_with_exit_2(tmp_path: Path
 
 
 def run_module(args: dict, *flags: str) -> dict:
-    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_LOAD_CALLBACK_PLUGINS": "1",
-           "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.minimal", "ANSIBLE_LOCALHOST_WARNING": "0",
-           "ANSIBLE_INVENTORY_UNPARSED_WARNING": "0", "ANSIBLE_NOCOLOR": "1",
-           "ANSIBLE_CALLBACK_RESULT_FORMAT": "json"}
-    proc = subprocess.run([str(ROOT / ".venv/bin/ansible"), "localhost", "-i", "localhost,", "-c", "local", *flags,
-                           "-e", f"ansible_python_interpreter={sys.executable}",
-                           "-m", "gptoss.host.verify_record", "-a", json.dumps(args)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    head, arrow, body = proc.stdout.partition("=>")
-    assert arrow, proc.stdout + proc.stderr
-    # The minimal callback prints a --diff before the "host | STATUS =>" line.
-    return {**json.loads(body), "failed": "FAILED" in head, "printed_diff": head.rpartition("\n")[0]}
+    """The real module through ansible (localhost): what the role gets back."""
+    return run_ansible_module("verify_record", args, *flags)
 
 
 def digest(path: Path) -> str:

@@ -33,33 +33,15 @@ changed_names: {description: Variables added, removed or changed, type: list, re
 """
 
 import os
-import tempfile
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.gptoss.host.plugins.module_utils import unit_inputs
+from ansible_collections.gptoss.host.plugins.module_utils import atomic_file, unit_inputs
 
 MODE = 0o600
 
 
 def changed_names(old: dict[str, str], new: dict[str, str]) -> list[str]:
     return sorted(name for name in set(old) | set(new) if old.get(name) != new.get(name))
-
-
-def write_atomically(path: str, text: str) -> None:
-    directory = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)
-    try:
-        os.fchmod(fd, MODE)  # 0600 before a byte of the secret is written
-        os.fchown(fd, 0, 0)
-        with os.fdopen(fd, "w", encoding="ascii") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def main() -> None:
@@ -93,7 +75,7 @@ def main() -> None:
                           "before": "".join(f"{n}=<secret>\n" for n in sorted(old_values)),
                           "after": "".join(f"{n}=<secret{' changed' if n in names else ''}>\n" for n in sorted(values))}
     if changed and not module.check_mode:
-        write_atomically(path, text)
+        atomic_file.write_atomically(path, text, MODE, owner_root=True)  # 0600 root before a byte is written
     module.exit_json(**result)
 
 

@@ -31,30 +31,15 @@ path: {description: The record file, type: str, returned: always}
 """
 
 import os
-import tempfile
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.gptoss.host.plugins.module_utils import atomic_file
 from ansible_collections.gptoss.host.plugins.module_utils.verify_contract import (
     ContractError,
     check_record,
     record_path,
     render,
 )
-
-
-def write_atomically(path: str, text: str) -> None:
-    """A reader (verify) sees the old file or the new one, never half of one."""
-    directory = os.path.dirname(path)
-    handle, tmp = tempfile.mkstemp(dir=directory, prefix=".verify-record-")
-    try:
-        with os.fdopen(handle, "w") as stream:
-            stream.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def main() -> None:
@@ -82,7 +67,7 @@ def main() -> None:
     if result["changed"] and not module.check_mode:
         if not os.path.isdir(params["config_dir"]):
             module.fail_json(msg=f"{params['config_dir']} does not exist (the gptoss_base role creates it)", path=path)
-        write_atomically(path, new)
+        atomic_file.write_atomically(path, new, 0o644, owner_root=True)
     module.exit_json(**result)
 
 
