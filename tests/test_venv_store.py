@@ -175,6 +175,34 @@ def transaction(args: dict) -> vllm_change.Transaction:
         return vllm_change.Transaction(module)
 
 
+def test_a_server_still_on_the_old_venv_is_restarted_after_another_unit_switched_the_pointer(tmp_path: Path):
+    """Replica instances share one pointer: the first instance's change switches it; the second
+    instance's files are unchanged, yet its process runs the old venv, which is a reason to restart."""
+    venvs, pointer = tmp_path / "venvs", tmp_path / "venv"
+    old, new = complete_venv(venvs, "p-1-old", 1), complete_venv(venvs, "p-2-new", 2)
+    extension = next(Path(sysconfig.get_config_var("DESTSHARED")).glob("_json*.so"))
+    shutil.copy(extension, old / "bin" / "probe.so")
+    venv_store.switch_pointer(str(pointer), str(old))
+    child = subprocess.Popen([sys.executable, "-c", "import ctypes, sys, time; ctypes.CDLL(sys.argv[1]); "
+                              "print('loaded', flush=True); time.sleep(30)", str(pointer / "bin" / "probe.so")],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "loaded"
+        venv_store.switch_pointer(str(pointer), str(new))  # another unit's change did this
+        args = {"unit": "gptoss-test@1.service", "secrets_file": str(tmp_path / "secrets.env"),
+                "record_path": str(tmp_path / "record.json"), "pointer": str(pointer),
+                "pointer_target": str(new), "venvs_dir": str(venvs), "stamp_file": str(tmp_path / "stamp.json"),
+                "record": contract_record("vllm_service", base_url="http://127.0.0.1:1")}
+        state = {"MainPID": str(child.pid), "ActiveState": "active"}
+        reasons = transaction(args).restart_reasons(state, [])
+        assert f"PID {child.pid} runs from {old}, {pointer} names {new}" in reasons
+        state["MainPID"] = str(os.getpid())  # a process that loaded nothing from the venvs: no such reason
+        assert not [r for r in transaction(args).restart_reasons(state, []) if "runs from" in r]
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_rollback_takes_the_newest_configuration_that_differs_from_the_one_on_disk(tmp_path: Path, capsys):
     venvs, pointer = tmp_path / "venvs", tmp_path / "venv"
     old, new = complete_venv(venvs, "p-1-old", 1), complete_venv(venvs, "p-2-new", 2)

@@ -340,9 +340,24 @@ class Transaction:
         if pid > 0:
             pending = unit_inputs.pending_changes(self.watched_paths(), pid, self.params["stamp_file"])
             reasons += [f"{p} differs from what PID {pid} started with" for p in pending if p not in changed]
+            reasons += self.stale_venv_reasons(pid)
         if state.get("ActiveState") != "active":
             reasons.append(f"{self.unit} is {state.get('ActiveState')} ({state.get('Result')})")
         return reasons
+
+    def stale_venv_reasons(self, pid: int) -> list[str]:
+        """A server still running from another venv than the pointer names: the pointer was switched
+        by another unit's change (replica instances share it) or by hand. SVC-005's rule, here."""
+        venvs_dir, target = self.params["venvs_dir"], self.pointer_after
+        if self.pointer_changed() or not (self.pointer and venvs_dir and target):
+            return []
+        try:
+            loaded = venv_store.venv_of_process(pid, venvs_dir)
+        except OSError:
+            return []
+        if loaded and os.path.normpath(loaded) != os.path.normpath(target):
+            return [f"PID {pid} runs from {loaded}, {self.pointer} names {target}"]
+        return []
 
     def pointer_changed(self) -> bool:
         return bool(self.pointer) and self.pointer_after != self.pointer_before
