@@ -72,18 +72,53 @@ def xdist_group_of(item: pytest.Item) -> str:
     return item.module.__name__
 
 
+def groups_file(controller_pid: int) -> Path:
+    """Where the workers leave {nodeid: group} for the controller's scheduler (one per run)."""
+    return ROOT / ".cache" / f"xdist-groups-{controller_pid}.json"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
+    """Order the tests longest group first, and under xdist tell the controller each test's group.
+
+    xdist's own `--dist loadgroup` reads an `xdist_group` marker by appending "@group" to the node id,
+    which pytest 9 no longer lets a plugin do (the id is structured now), so every test would be spread
+    alone. The group is therefore handed over in a file: a worker writes it after collection, and the
+    scheduler below (`pytest_xdist_make_scheduler`) reads it when it splits the collection."""
     groups = {item.nodeid: xdist_group_of(item) for item in items}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
 
     def rank(item: pytest.Item) -> int:
         group = groups[item.nodeid]
         return GROUP_ORDER.index(group) if group in GROUP_ORDER else len(GROUP_ORDER)
 
     items.sort(key=rank)  # stable: tests keep their file order within a group
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker: its parent is the controller
+        target = groups_file(os.getppid())
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(f".{os.environ['PYTEST_XDIST_WORKER']}.tmp")
+        tmp.write_text(json.dumps(groups))
+        os.replace(tmp, target)  # every worker collects the same tests: the same content
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Load-group scheduling on the groups the workers wrote (see pytest_collection_modifyitems)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LabGroupScheduling(LoadScopeScheduling):
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:  # asked only once every worker has collected
+                self.groups = json.loads(groups_file(os.getpid()).read_text())
+            return self.groups.get(nodeid) or nodeid.split("::", 1)[0]
+
+    if config.getoption("dist") == "loadgroup":
+        return LabGroupScheduling(config, log)
+    return None
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        groups_file(os.getpid()).unlink(missing_ok=True)
 
 
 def contract_record(role: str, **values) -> dict:
