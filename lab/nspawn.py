@@ -509,6 +509,7 @@ def up(name: str, release: str | None = None) -> tuple[LabState, str]:
     """Boot the lab `name` with `release` (default: GPTOSS_LAB_RELEASE, else bookworm); a no-op if
     it is already running. Returns (state, what happened). An existing lab asked for no release
     keeps its own."""
+    free_pending_zram()
     existing = load_state(name)
     if existing and not (release or os.environ.get("GPTOSS_LAB_RELEASE")):
         release = existing.release
@@ -564,18 +565,45 @@ def destroy(state: LabState) -> None:
         time.sleep(0.25)
 
 
+# zram devices a lab.down could not give back yet (busy): their memory is freed by a later up/down.
+PENDING_ZRAM_FILE = LABS_DIR / "zram-to-free"
+
+
+def _hot_remove(device: str) -> bool:
+    try:
+        (ZRAM_CONTROL / "hot_remove").write_text(device.removeprefix("/dev/zram"))
+        return True
+    except OSError:
+        return False
+
+
 def remove_zram(device: str) -> None:
-    """Give the zram device back; right after umount the kernel can still call it busy for a moment."""
-    for _ in range(40):
-        try:
-            (ZRAM_CONTROL / "hot_remove").write_text(device.removeprefix("/dev/zram"))
+    """Give the zram device back. After a lab that ran vLLM is killed, the kernel can hold the device
+    busy for many seconds while the container's last processes die; a root disk left behind holds
+    gigabytes of RAM, so it is written down and given back by the next lab.up or lab.down."""
+    for _ in range(120):
+        if _hot_remove(device):
             return
-        except OSError:
-            time.sleep(0.25)
-    print(f"warning: {device} still busy; it stays allocated until the next reboot")
+        time.sleep(0.25)
+    with file_lock(PENDING_ZRAM_FILE.with_suffix(".lock")), open(PENDING_ZRAM_FILE, "a") as pending:
+        pending.write(device + "\n")
+    print(f"warning: {device} still busy after 30 s; the next lab.up or lab.down gives it back")
+
+
+def free_pending_zram() -> None:
+    """Give back the zram devices earlier downs left busy (only those: each was this checkout's, it is
+    unmounted, and a device number is not handed out again while the device exists)."""
+    if not PENDING_ZRAM_FILE.exists():
+        return
+    with file_lock(PENDING_ZRAM_FILE.with_suffix(".lock")):
+        mounted = Path("/proc/mounts").read_text()
+        still = [d for d in PENDING_ZRAM_FILE.read_text().split()
+                 if Path(d).exists() and (f"{d} " in mounted or not _hot_remove(d))]
+        PENDING_ZRAM_FILE.write_text("".join(f"{d}\n" for d in still))
 
 
 def down(name: str) -> str:
+    free_pending_zram()
     state = load_state(name)
     if state is None:
         lab_dir = lab_dir_for(name)
