@@ -49,7 +49,9 @@ def test_router_serves_the_inventorys_workers_with_the_key_off_the_command_line(
                                     "/etc/systemd/system/gptoss-router.service")
     assert ROUTER_KEY not in routed.output + second.output
     assert lab.sh("stat -c '%a %U' /etc/gptoss/router-secrets.env").split() == ["600", "root"]
-    assert lab.sh("systemctl show -p DynamicUser -p NoNewPrivileges -p ProtectSystem gptoss-router").split() == [
+    # systemctl show prints the properties in its own order, not in the order asked.
+    shown = lab.sh("systemctl show -p DynamicUser -p NoNewPrivileges -p ProtectSystem gptoss-router").split()
+    assert sorted(shown) == [
         "DynamicUser=yes", "NoNewPrivileges=yes", "ProtectSystem=strict"]
     assert lab.sh("stat -c '%U' /proc/" + pid).strip() != "root"
     # Installed offline from the shared wheelhouse, at the pinned version.

@@ -29,7 +29,8 @@ def test_unit_is_active_and_serves_the_model(lab: Lab, converged):
     assert completion["usage"]["completion_tokens"] == 8
     # The YAML callback folds long messages over several lines.
     # gptoss.host.vllm_change reports the health gate's JSON as "gate: {...}".
-    rollout = re.search(r"vllm_service: restarted .*?gate: (\{.*?\})", converged.first.output, re.DOTALL)
+    # The report names the unit it rolled ("gptoss-vllm.service: restarted (...) ... gate: {...}").
+    rollout = re.search(r"gptoss-vllm\S*\.service: restarted .*?gate: (\{.*?\})", converged.first.output, re.DOTALL)
     assert rollout, "no rollout report in the converge output"
     timing = json.loads(re.sub(r"\s*\n\s*", " ", rollout.group(1)))
     assert timing["ok"] is True
