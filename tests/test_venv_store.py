@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -81,27 +82,32 @@ def test_retention_keeps_the_newest_used_and_every_protected_venv(tmp_path: Path
     assert not v1.exists() and [p for p, _ in venv_store.complete_venvs(str(venvs))] == [str(v2), str(v3), str(v4)]
 
 
-def test_the_venv_of_a_process_is_read_from_its_mappings_through_the_pointer(tmp_path: Path):
-    """The kernel resolves the pointer in /proc/PID/maps: a process started through it names the
-    versioned venv it really loaded, even after the pointer moved on."""
-    venvs = tmp_path / "venvs"
-    old, new = complete_venv(venvs, "p-1-old", 1), complete_venv(venvs, "p-2-new", 2)
-    lib = Path(sysconfig.get_config_var("DESTSHARED"))
-    extension = next(lib.glob("_json*.so"))
-    shutil.copy(extension, old / "bin" / "probe.so")
-    pointer = tmp_path / "venv"
-    venv_store.switch_pointer(str(pointer), str(old))
+@contextlib.contextmanager
+def process_loaded_through(pointer: Path, venv: Path):
+    """A child process that loaded a shared library from `venv` through `pointer` (then waits)."""
+    shutil.copy(next(Path(sysconfig.get_config_var("DESTSHARED")).glob("_json*.so")), venv / "bin" / "probe.so")
+    venv_store.switch_pointer(str(pointer), str(venv))
     child = subprocess.Popen([sys.executable, "-c", "import ctypes, sys, time; ctypes.CDLL(sys.argv[1]); "
                               "print('loaded', flush=True); time.sleep(30)", str(pointer / "bin" / "probe.so")],
                              stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "loaded"
-        venv_store.switch_pointer(str(pointer), str(new))
-        assert venv_store.venv_of_process(child.pid, str(venvs)) == str(old)
-        assert venv_store.venv_of_process(os.getpid(), str(venvs)) is None
+        yield child
     finally:
         child.kill()
         child.wait()
+
+
+def test_the_venv_of_a_process_is_read_from_its_mappings_through_the_pointer(tmp_path: Path):
+    """The kernel resolves the pointer in /proc/PID/maps: a process started through it names the
+    versioned venv it really loaded, even after the pointer moved on."""
+    venvs = tmp_path / "venvs"
+    old, new = complete_venv(venvs, "p-1-old", 1), complete_venv(venvs, "p-2-new", 2)
+    pointer = tmp_path / "venv"
+    with process_loaded_through(pointer, old) as child:
+        venv_store.switch_pointer(str(pointer), str(new))
+        assert venv_store.venv_of_process(child.pid, str(venvs)) == str(old)
+        assert venv_store.venv_of_process(os.getpid(), str(venvs)) is None
 
 
 # ------------------------------------------------------------------ the builder module
@@ -180,14 +186,7 @@ def test_a_server_still_on_the_old_venv_is_restarted_after_another_unit_switched
     instance's files are unchanged, yet its process runs the old venv, which is a reason to restart."""
     venvs, pointer = tmp_path / "venvs", tmp_path / "venv"
     old, new = complete_venv(venvs, "p-1-old", 1), complete_venv(venvs, "p-2-new", 2)
-    extension = next(Path(sysconfig.get_config_var("DESTSHARED")).glob("_json*.so"))
-    shutil.copy(extension, old / "bin" / "probe.so")
-    venv_store.switch_pointer(str(pointer), str(old))
-    child = subprocess.Popen([sys.executable, "-c", "import ctypes, sys, time; ctypes.CDLL(sys.argv[1]); "
-                              "print('loaded', flush=True); time.sleep(30)", str(pointer / "bin" / "probe.so")],
-                             stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout.readline().strip() == "loaded"
+    with process_loaded_through(pointer, old) as child:
         venv_store.switch_pointer(str(pointer), str(new))  # another unit's change did this
         args = {"unit": "gptoss-test@1.service", "secrets_file": str(tmp_path / "secrets.env"),
                 "record_path": str(tmp_path / "record.json"), "pointer": str(pointer),
@@ -198,9 +197,6 @@ def test_a_server_still_on_the_old_venv_is_restarted_after_another_unit_switched
         assert f"PID {child.pid} runs from {old}, {pointer} names {new}" in reasons
         state["MainPID"] = str(os.getpid())  # a process that loaded nothing from the venvs: no such reason
         assert not [r for r in transaction(args).restart_reasons(state, []) if "runs from" in r]
-    finally:
-        child.kill()
-        child.wait()
 
 
 def test_rollback_takes_the_newest_configuration_that_differs_from_the_one_on_disk(tmp_path: Path, capsys):
