@@ -306,7 +306,7 @@ ns.add_task(rollback)
             "waivers": "JSON waivers file (id, reason, expires)", "only": "comma-separated check IDs"})
 def verify(c, local=False, inventory=None, json_=False, junit="", no_completion=False, waivers="", only=""):
     """Prove from live state that every tuning took effect. Exit 0 pass, 1 a check failed, 2 tool/host error."""
-    from service import verify as verify_mod
+    from service.host import verify as verify_mod
 
     args = (["--no-completion"] if no_completion else []) + (["--only", only] if only else [])
     if local:
@@ -362,7 +362,7 @@ def preflight(c, inventory=None, json_=False, extra=""):
     will be needed. Exit 0 ready, 1 a host needs something the configuration does not allow (named),
     2 a host was unreachable.
     """
-    from service import preflight as preflight_mod
+    from service.host import preflight as preflight_mod
 
     out_dir = ROOT / ".cache" / "preflight"
     c.run(f"rm -rf {out_dir} && mkdir -p {out_dir}")
@@ -459,13 +459,13 @@ def _lab_endpoint() -> tuple[str, str]:
             "concurrency": "comma-separated levels", "num_prompts": "requests per level",
             "input_len": "prompt tokens", "output_len": "generated tokens", "out": "JSON result path",
             "plot": "PNG plot path", "compare": "two result JSON files A,B: print them side by side",
-            "args": "extra service.bench arguments"})
+            "args": "extra controller.bench arguments"})
 def bench(c, url="", model="", concurrency="1,2,4,8,16", num_prompts=32, input_len=128, output_len=64,
           out="", plot="", compare="", args=""):
     """Load the OpenAI API with streaming requests: TTFT, ITL/TPOT, E2E p50/p95/p99, throughput, /metrics, NVML."""
     if compare:
         first, second = compare.split(",")
-        c.run(f"{PYTHON} -m service.bench --compare {first} {second}", pty=False)
+        c.run(f"{PYTHON} -m controller.bench --compare {first} {second}", pty=False)
         return
     if not url:
         url, default_model = _lab_endpoint()
@@ -473,7 +473,7 @@ def bench(c, url="", model="", concurrency="1,2,4,8,16", num_prompts=32, input_l
     out = out or str(ROOT / ".cache" / "bench" / "bench.json")
     plot = plot or str(Path(out).with_suffix(".png"))
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    c.run(f"{PYTHON} -m service.bench --base-url {url} --model {model} --concurrency {concurrency} "
+    c.run(f"{PYTHON} -m controller.bench --base-url {url} --model {model} --concurrency {concurrency} "
           f"--num-prompts {num_prompts} --input-len {input_len} --output-len {output_len} "
           f"--json {out} --plot {plot} {args}", pty=False)
 
@@ -489,7 +489,7 @@ def tune(c, ttft_p95_ms=800, concurrency=4, max_num_seqs="2,4", max_num_batched_
          chunked="on,off", two_gpus=False, accept=False, url="", model="", inventory=None, num_prompts=16,
          input_len=64, output_len=32):
     """Sweep a small flag grid: validate, roll out safely and benchmark each candidate; keep the best."""
-    from service import tune as tuning
+    from controller import tune as tuning
 
     if not url:
         url, default_model = _lab_endpoint()
@@ -500,49 +500,22 @@ def tune(c, ttft_p95_ms=800, concurrency=4, max_num_seqs="2,4", max_num_batched_
     candidates = tuning.grid(tuning.parse_int_list(max_num_seqs), tuning.parse_int_list(max_num_batched_tokens),
                              [v.strip() == "on" for v in chunked.split(",")],
                              tuning.TWO_GPU_LAYOUTS if two_gpus else None)
-    work = ROOT / ".cache" / "tune"
-    work.mkdir(parents=True, exist_ok=True)
-    trials = []
-    for number, overrides in enumerate(candidates, start=1):
-        print(f"\n== tune {number}/{len(candidates)}: {overrides}")
-        extra = json.dumps({"vllm_service_flags_override": overrides})
-        rollout = _ansible(c, f"ansible-playbook playbooks/vllm.yml --tags vllm_service -e '{extra}'", inventory,
-                           warn=True, holder=f"invoke tune (candidate {number}/{len(candidates)})")
-        if rollout.exited != 0:
-            reason = next((line.strip() for line in reversed(rollout.stdout.splitlines()) if "vllm_service" in line),
-                          "rollout failed")
-            trials.append(tuning.Trial(overrides, "rejected", detail=reason[:160]))
-            continue
-        out = work / f"candidate-{number}.json"
-        bench_run = c.run(f"{PYTHON} -m service.bench --base-url {url} --model {model} --concurrency {concurrency} "
-                          f"--num-prompts {num_prompts} --input-len {input_len} --output-len {output_len} "
-                          f"--json {out}", warn=True, hide="out", pty=False)
-        bench_result = json.loads(out.read_text()) if out.exists() else {}
-        trial = tuning.score(overrides, bench_result, concurrency)
-        if bench_run.exited != 0 and trial.status == "ok":
-            trial.status, trial.detail = "bench-failed", f"bench exit {bench_run.exited}"
-        trials.append(trial)
-    best = tuning.pick_best(trials, ttft_p95_ms)
-    print("\n" + tuning.format_trials(trials, ttft_p95_ms, best))
-    (work / "trials.json").write_text(json.dumps([t.__dict__ for t in trials], indent=2, default=str))
-    tuned_file = ROOT / "inventory" / "host_vars" / hosts[0] / "vllm_tuned.yml"
-    if best is not None and accept:
-        tuned_file.parent.mkdir(parents=True, exist_ok=True)
-        tuned_file.write_text("---\n# Written by `invoke tune`: the best candidate within p95 TTFT <= "
-                              f"{ttft_p95_ms:g} ms at concurrency {concurrency}.\n"
-                              "vllm_service_flags_override:\n"
-                              + "".join(f"  {k}: {json.dumps(v)}\n" for k, v in best.overrides.items()))
-        print(f"tune: winner kept in {tuned_file.relative_to(ROOT)}; rolling it out")
-    elif best is None:
-        print(f"tune: no candidate met p95 TTFT <= {ttft_p95_ms:g} ms; restoring the previous configuration")
-    else:
-        print("tune: winner not accepted (pass --accept to keep it); restoring the previous configuration")
-    final = _ansible(c, "ansible-playbook playbooks/vllm.yml --tags vllm_service", inventory, warn=True,
-                     holder="invoke tune (final rollout)")
-    if final.exited != 0:
-        raise Exit("tune: restoring the configuration failed; see the play output above", code=2)
-    if best is None:
-        raise Exit(code=1)
+
+    def rollout(overrides: dict | None, holder: str) -> tuple[bool, str]:
+        extra = f" -e '{json.dumps({'vllm_service_flags_override': overrides})}'" if overrides is not None else ""
+        result = _ansible(c, f"ansible-playbook playbooks/vllm.yml --tags vllm_service{extra}", inventory,
+                          warn=True, holder=holder)
+        return result.exited == 0, result.stdout
+
+    def bench_into(result_file: Path) -> int:
+        return c.run(f"{PYTHON} -m controller.bench --base-url {url} --model {model} --concurrency {concurrency} "
+                     f"--num-prompts {num_prompts} --input-len {input_len} --output-len {output_len} "
+                     f"--json {result_file}", warn=True, hide="out", pty=False).exited
+
+    status = tuning.run(candidates, float(ttft_p95_ms), int(concurrency), accept, ROOT / ".cache" / "tune",
+                        ROOT / "inventory" / "host_vars" / hosts[0] / "vllm_tuned.yml", rollout, bench_into)
+    if status:
+        raise Exit(code=status)
 
 
 @task(name="bench-vllm", help={"url": "server base URL (default: the lab)", "args": "extra script arguments"})

@@ -1,4 +1,4 @@
-"""Benchmark service.convert on a generated >= 2 GB sharded .bin checkpoint.
+"""Benchmark service.venv.convert on a generated >= 2 GB sharded .bin checkpoint.
 
     python bench/bench_convert.py [--dir DIR] [--shards 4] [--shard-mb 512] [--repeat 3] [--keep] [--json]
     python bench/bench_convert.py --shards 8 --shard-mb 1024   # 8.6 GB: past the page cache's dirty
@@ -76,7 +76,7 @@ def warm_converter_code() -> None:
     """Import the converter (and so torch's ~1 GB of libraries) once in a throwaway process: the
     GBs this bench writes can push them out of the page cache, and cp's own binary is always warm."""
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    subprocess.run([sys.executable, "-c", "import service.convert"], env=env, check=True)
+    subprocess.run([sys.executable, "-c", "import service.venv.convert"], env=env, check=True)
 
 
 def time_cp(paths: list[Path], target: Path) -> tuple[float, float]:
@@ -118,14 +118,14 @@ def read_vm_hwm(pid: int) -> int | None:
 
 
 def run_converter(model_dir: Path) -> tuple[float, int, dict]:
-    """Wall seconds, peak RSS bytes and JSON result of `python -m service.convert`, as Ansible runs it.
+    """Wall seconds, peak RSS bytes and JSON result of `python -m service.venv.convert`, as Ansible runs it.
 
     Peak RSS is the process' own VmHWM, polled every 5 ms (it only grows, so the last reading is
     the peak up to then). ru_maxrss from wait4/RUSAGE_CHILDREN is not usable: Linux folds the
     parent's high-water mark (this bench holds GBs after generating) into the child's at exec.
     """
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    command = [sys.executable, "-m", "service.convert", str(model_dir), "--json", "--no-progress"]
+    command = [sys.executable, "-m", "service.venv.convert", str(model_dir), "--json", "--no-progress"]
     started = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         child = subprocess.Popen(command, env=env, stdout=out, stderr=err, text=True)

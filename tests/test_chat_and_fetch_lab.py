@@ -40,7 +40,7 @@ def test_chat_completion_through_the_cpu_lab_profile(lab: Lab):
 
 
 def test_verify_api_004_passes_with_the_tool_request(lab: Lab):
-    proc = lab.ssh("cd /opt/gptoss/lib && python3 -m service.verify --json --timeout 60", check=False)
+    proc = lab.ssh("cd /opt/gptoss/lib && python3 -m service.host.verify --json --timeout 60", check=False)
     report = json.loads(proc.stdout)
     [api4] = [r for r in report["results"] if r["id"] == "API-004"]
     assert api4["status"] == "pass", api4

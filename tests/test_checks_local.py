@@ -1,4 +1,4 @@
-"""service.nvidia / service.checks / service.verify against this machine's real /proc, real mounts,
+"""service.host.nvidia / service.host.checks / service.host.verify against this machine's real /proc, real mounts,
 real child processes, a real HTTP server, and the real outputs captured on an H200 (tests/data/h200)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from conftest import contract_record
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from service import checks, nvidia, verify  # noqa: E402
+from service.host import checks, nvidia, verify  # noqa: E402
 
 H200 = ROOT / "tests" / "data" / "h200"
 H200_VERIFY_D = ROOT / "tests" / "data" / "h200-verify.d"
@@ -38,7 +38,7 @@ def by_id(results: list[checks.CheckResult]) -> dict[str, checks.CheckResult]:
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     """The CLI as the host runs it: system python3, stdlib only, from the repo root."""
-    return subprocess.run([SYSTEM_PYTHON, "-m", "service.verify", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([SYSTEM_PYTHON, "-m", "service.host.verify", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=30)
 
 

@@ -1,4 +1,4 @@
-"""Tests for service.convert and service.safetensors_check on real checkpoints generated in tmp_path."""
+"""Tests for service.venv.convert and service.host.safetensors_check on real checkpoints generated in tmp_path."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from service import convert
-from service.safetensors_check import check_safetensors_dir, check_safetensors_file
+from service.host.safetensors_check import check_safetensors_dir, check_safetensors_file
+from service.venv import convert
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 INDEX = "model.safetensors.index.json"
@@ -32,7 +32,7 @@ INDEX = "model.safetensors.index.json"
 def run_cli(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """The converter as Ansible runs it: a separate process, JSON on stdout."""
     return subprocess.run(
-        [sys.executable, "-m", "service.convert", *map(str, args)],
+        [sys.executable, "-m", "service.venv.convert", *map(str, args)],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -440,7 +440,7 @@ def wait_for_stop_point(process: subprocess.Popen, event: str) -> None:
 def start_cli(model_dir: Path, stop_at: str, jobs: int = 1) -> subprocess.Popen:
     """One shard at a time by default, so the files on disk at a stop point are exactly known."""
     return subprocess.Popen(
-        [sys.executable, "-m", "service.convert", str(model_dir), "--json", "--no-progress", "--jobs", str(jobs)],
+        [sys.executable, "-m", "service.venv.convert", str(model_dir), "--json", "--no-progress", "--jobs", str(jobs)],
         cwd=REPO_ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -646,7 +646,7 @@ def test_check_runs_under_system_python_without_torch(tmp_path: Path) -> None:
         pytest.skip("no /usr/bin/python3")
     save_file({"a": torch.ones(2)}, tmp_path / "model.safetensors")
     # Exit status 10+ would mean the checker pulled in torch.
-    code = ("import sys, service.safetensors_check as c; "
+    code = ("import sys, service.host.safetensors_check as c; "
             "sys.exit(c.main(sys.argv[1:]) + 10 * ('torch' in sys.modules))")
 
     def check() -> subprocess.CompletedProcess:

@@ -1,4 +1,4 @@
-"""service.cpu_governor's set/readback logic on sysfs-shaped trees of real files.
+"""service.host.cpu_governor's set/readback logic on sysfs-shaped trees of real files.
 
 No machine here has cpufreq (VMs and containers), so this is the only place the set path runs
 before a real host: the layouts are those of intel_pstate (active, EPP) and acpi-cpufreq.
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from service import cpu_governor
+from service.host import cpu_governor
 
 INTEL_PSTATE = {"driver": "intel_pstate", "available": "performance powersave", "governor": "powersave",
                 "epp": "balance_power"}

@@ -46,7 +46,7 @@ def completion(lab: Lab, key: str | None = None) -> int:
 
 
 def verify(lab: Lab, only: str) -> tuple[int, dict[str, dict]]:
-    proc = lab.ssh(f"cd /opt/gptoss/lib && python3 -m service.verify --json --only {only}", check=False)
+    proc = lab.ssh(f"cd /opt/gptoss/lib && python3 -m service.host.verify --json --only {only}", check=False)
     return proc.returncode, {r["id"]: r for r in json.loads(proc.stdout)["results"]}
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import Lab
+from conftest import ROOT, Lab
 
 
 def test_model_mount_in_fstab_and_live(lab: Lab):
@@ -24,13 +24,24 @@ def line_options(mountinfo_line: str) -> tuple[list[str], list[str]]:
     return before.split()[5].split(","), after.split()[2].split(",")
 
 
+def shipped_code() -> set[str]:
+    """What a host must hold under /opt/gptoss/lib/service: service/host and service/venv, never controller/."""
+    return {f"/opt/gptoss/lib/{p.relative_to(ROOT)}" for p in
+            [ROOT / "service" / "__init__.py", *(ROOT / "service" / "host").glob("*.py"),
+             *(ROOT / "service" / "venv").glob("*.py")]}
+
+
 def test_remount_is_repaired_by_a_converge(lab: Lab):
     lab.sh("mount -o remount,barrier /models")
     assert "nobarrier" not in lab.sh("grep ' /models ' /proc/self/mountinfo")
+    # Stale code from an older layout (bench.py once lived in service/): the same play removes it.
+    lab.sh("echo 'import aiohttp' > /opt/gptoss/lib/service/bench.py && echo x > /opt/gptoss/lib/service/host/old.py")
     result = lab.play("playbooks/host.yml", "--tags", "model_mount")
     assert result.rc == 0, result.output[-3000:]
     assert result.recap["changed"] >= 1
     assert "nobarrier" in lab.sh("grep ' /models ' /proc/self/mountinfo")
+    on_host = set(lab.sh("find /opt/gptoss/lib/service -name '*.py' -type f").split())
+    assert on_host == shipped_code()
 
 
 def test_malformed_fstab_line_is_refused_and_left_as_is(lab: Lab):
@@ -51,7 +62,7 @@ def test_cpu_governor_reports_not_supported_and_installs_boot_unit(lab: Lab, con
     assert lab.sh("systemctl is-enabled gptoss-cpu-governor.service").strip() == "enabled"
     status = lab.ssh("systemctl is-active gptoss-cpu-governor.service", check=False).stdout.strip()
     assert status == "active"
-    shown = json.loads(lab.sh("PYTHONPATH=/opt/gptoss/lib python3 -m service.cpu_governor show"))
+    shown = json.loads(lab.sh("PYTHONPATH=/opt/gptoss/lib python3 -m service.host.cpu_governor show"))
     assert shown["supported"] is False and "cpufreq" in shown["reason"]
 
 

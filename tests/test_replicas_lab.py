@@ -80,7 +80,7 @@ def test_two_instances_behind_the_router_and_a_rolling_restart_under_load_fails_
     router = f"http://{address}:8100"
     assert lab.sh("systemctl is-active gptoss-vllm@0 gptoss-vllm@1 gptoss-router").split() == ["active"] * 3
     assert lab.sh("systemctl is-active gptoss-vllm.service || true").strip() in ("inactive", "unknown")
-    check = json.loads(lab.sh("PYTHONPATH=/opt/gptoss/lib python3 -m service.router_check"))
+    check = json.loads(lab.sh("PYTHONPATH=/opt/gptoss/lib python3 -m service.host.router_check"))
     assert check["ok"] and check["workers"] == [f"http://{address}:8001", f"http://{address}:8002"], check
     pids_before = {i: lab.main_pid(f"gptoss-vllm@{i}") for i in (0, 1)}
 
@@ -111,5 +111,5 @@ def test_two_instances_behind_the_router_and_a_rolling_restart_under_load_fails_
     assert roll.output.count('\\"drained\\": true') + roll.output.count('"drained": true') >= 2, roll.output[-4000:]
     assert baseline["failed"] == 0 and load["completed"] > 0
     assert load["failed"] == 0, load
-    assert json.loads(lab.sh("PYTHONPATH=/opt/gptoss/lib python3 -m service.router_check"))["ok"]
+    assert json.loads(lab.sh("PYTHONPATH=/opt/gptoss/lib python3 -m service.host.router_check"))["ok"]
     Path(OUT / "roll-output.txt").write_text(roll.output)

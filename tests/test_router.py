@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT))
 
 from ansible_collections.gptoss.host.plugins.module_utils import router_config  # noqa: E402
 
-from service import router_launch  # noqa: E402
+from service.venv import router_launch  # noqa: E402
 
 ONE_BOX_TWO_GPUS = {"name": "box1", "address": "10.0.0.5", "port": 8000,
                     "instances": [{"name": "0", "port": 8001}, {"name": "1", "port": 8002}]}

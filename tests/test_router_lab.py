@@ -35,7 +35,7 @@ def test_router_serves_the_inventorys_workers_with_the_key_off_the_command_line(
     address = lab.state.address
     listed = json.loads(urllib.request.urlopen(f"http://{address}:8100/list_workers", timeout=10).read())
     assert listed["urls"] == [f"http://{address}:8000"]
-    check = json.loads(lab.sh("PYTHONPATH=/opt/gptoss/lib python3 -m service.router_check"))
+    check = json.loads(lab.sh("PYTHONPATH=/opt/gptoss/lib python3 -m service.host.router_check"))
     assert check["ok"] and check["missing"] == [] and check["unexpected"] == []
     body = json.dumps({"model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}],
                        "max_tokens": 3}).encode()

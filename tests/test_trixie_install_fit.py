@@ -1,4 +1,4 @@
-"""service.install_fit on the controller: pip's real resolver, an empty and a foreign-ABI wheel folder."""
+"""service.host.install_fit on the controller: pip's real resolver, an empty and a foreign-ABI wheel folder."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from pathlib import Path
 
 from conftest import ROOT
 
-from service import install_fit
+from service.host import install_fit
 
 
 def run_fit(python: str, *args: str) -> subprocess.CompletedProcess:
     # PIP_CONFIG_FILE/PIP_FIND_LINKS: this machine's pip settings would add its own wheel folders.
     env = {"PYTHONPATH": str(ROOT), "PIP_CONFIG_FILE": "/dev/null", "PATH": "/usr/bin:/bin"}
-    return subprocess.run([python, "-m", "service.install_fit", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([python, "-m", "service.host.install_fit", *args], capture_output=True, text=True, env=env,
                           timeout=300)
 
 

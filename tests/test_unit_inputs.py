@@ -20,7 +20,7 @@ from ansible.module_utils.testing import patch_module_args  # noqa: E402
 from ansible_collections.gptoss.host.plugins.module_utils import unit_inputs  # noqa: E402
 from ansible_collections.gptoss.host.plugins.modules import vllm_change  # noqa: E402
 
-from service import checks, rollout  # noqa: E402
+from service.host import checks, rollout  # noqa: E402
 
 # Keys that must pass through systemd unchanged: each systemd/shell/HTTP special character once.
 AWKWARD_KEYS = [
@@ -180,7 +180,7 @@ def test_verify_exits_2_for_a_check_that_could_not_run_and_1_for_a_failed_one(tm
         "vllm_service", base_url=f"http://127.0.0.1:{dead_port}", served_model_name="m", api_key_file=str(secrets))))
 
     def verify(only: str) -> tuple[int, dict]:
-        proc = subprocess.run([sys.executable, "-m", "service.verify", "--config-dir", str(config), "--json",
+        proc = subprocess.run([sys.executable, "-m", "service.host.verify", "--config-dir", str(config), "--json",
                                "--only", only], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
         return proc.returncode, json.loads(proc.stdout)
 

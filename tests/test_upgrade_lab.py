@@ -134,7 +134,7 @@ def verify_all(lab: Lab) -> tuple[int, dict[str, dict]]:
     """Every check on the lab, with the lab's waivers (no GPU there), as `invoke verify` runs them."""
     waivers = base64.b64encode((ROOT / "inventory" / "lab-waivers.json").read_bytes()).decode()
     proc = lab.ssh(f"echo {waivers} | base64 -d > /root/upgrade-waivers.json && cd /opt/gptoss/lib && "
-                   "python3 -m service.verify --json --waivers /root/upgrade-waivers.json", check=False)
+                   "python3 -m service.host.verify --json --waivers /root/upgrade-waivers.json", check=False)
     return proc.returncode, {r["id"]: r for r in json.loads(proc.stdout)["results"]}
 
 
@@ -233,8 +233,8 @@ def test_invoke_rollback_and_forward_again_each_behind_the_gate(lab: Lab, state)
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
         assert '"ok": true' in proc.stdout and "rolled back to the configuration saved" in proc.stdout
         assert pointer(lab) == want and completes(lab), what
-        report = json.loads(lab.ssh("cd /opt/gptoss/lib && python3 -m service.verify --json --only SVC-003,SVC-005",
-                                    check=False).stdout)
+        report = json.loads(lab.ssh("cd /opt/gptoss/lib && python3 -m service.host.verify --json "
+                                    "--only SVC-003,SVC-005", check=False).stdout)
         assert all(r["status"] == "pass" for r in report["results"]), report
     rc, output = finish(vllm_play(lab, NEW), "converge after the rollbacks")
     assert rc == 0 and recap(output)["changed"] == 0, output[-4000:]

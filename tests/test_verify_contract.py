@@ -23,7 +23,7 @@ from ansible_collections.gptoss.host.plugins.module_utils.verify_contract import
 from conftest import ROOT, contract_record, run_ansible_module
 
 MODULES = ROOT / "collections/ansible_collections/gptoss/host/plugins/modules"
-READERS = [ROOT / "service/checks.py", MODULES / "vllm_change.py"]
+READERS = [ROOT / "service/host/checks.py", MODULES / "vllm_change.py"]
 
 
 # ------------------------------------------------------------------ who writes which key
@@ -156,7 +156,7 @@ def test_verify_refuses_a_record_outside_the_contract_with_exit_2(tmp_path: Path
     config = tmp_path / "verify.d"
     config.mkdir()
     (config / "cpu_governor.json").write_text(json.dumps({"governor": "performance", "unit": "x.service"}))
-    proc = subprocess.run([sys.executable, "-m", "service.verify", "--config-dir", str(config), "--json"],
+    proc = subprocess.run([sys.executable, "-m", "service.host.verify", "--config-dir", str(config), "--json"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2
     assert "cpu_governor.json: verify record of cpu_governor: unknown key 'unit'" in json.loads(proc.stdout)["error"]

@@ -14,8 +14,9 @@ WAIVERS = str(ROOT / "inventory" / "lab-waivers.json")
 
 
 def verify_local(lab: Lab, *args: str) -> tuple[int, dict]:
-    """Run service.verify on the lab itself (the deployed copy) and parse its JSON."""
-    command = f"cd /opt/gptoss/lib && python3 -m service.verify --json --waivers /root/waivers.json {' '.join(args)}"
+    """Run service.host.verify on the lab itself (the deployed copy) and parse its JSON."""
+    command = ("cd /opt/gptoss/lib && python3 -m service.host.verify --json --waivers /root/waivers.json "
+               + " ".join(args))
     proc = lab.ssh(command, check=False)
     return proc.returncode, json.loads(proc.stdout)
 
@@ -31,7 +32,7 @@ def lab_waivers(lab: Lab):
 
 
 def wait_until_serving(lab: Lab) -> None:
-    lab.sh(f"cd /opt/gptoss/lib && python3 -m service.rollout wait --base-url {lab.base_url} --model tiny-llama"
+    lab.sh(f"cd /opt/gptoss/lib && python3 -m service.host.rollout wait --base-url {lab.base_url} --model tiny-llama"
            " --timeout 300 --unit gptoss-vllm.service")
 
 

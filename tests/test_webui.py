@@ -110,7 +110,7 @@ def test_refusals_without_login_and_with_a_wrong_password(proxy):
 
 
 def test_verify_web_001_passes(lab: Lab, webui):
-    proc = lab.ssh("cd /opt/gptoss/lib && python3 -m service.verify --json --only WEB-001", check=False)
+    proc = lab.ssh("cd /opt/gptoss/lib && python3 -m service.host.verify --json --only WEB-001", check=False)
     result = json.loads(proc.stdout)["results"][0]
     assert result["status"] == "pass" and result["found"] == "tiny-llama", result
 

@@ -25,14 +25,14 @@ cp "$SITE/torch/version.py" "$OUT/torch_version.py"  # kept as tests/data/h200/t
 mk() { mkdir -p "$1"; printf '{"require_gpu": true, "min_driver": "535", "vllm_venv": "%s", "gpu_count": 1, "gpu_name_contains": "H200", "p2p_expected": "any"}\n' "$2" > "$1/nvidia_driver.json"; cat "$1/nvidia_driver.json"; }
 echo "== DRV-002 against the installed torch (expect pass)"
 mk /tmp/real.d "$PREFIX"
-$PY -m service.verify --config-dir /tmp/real.d --only DRV-001,DRV-002; echo "exit $?"
-$PY -m service.verify --config-dir /tmp/real.d --only DRV-002 --json > "$OUT/drv002_pass.json"
+$PY -m service.host.verify --config-dir /tmp/real.d --only DRV-001,DRV-002; echo "exit $?"
+$PY -m service.host.verify --config-dir /tmp/real.d --only DRV-002 --json > "$OUT/drv002_pass.json"
 echo "== DRV-002 against a torch/version.py that claims a CUDA 13.1 build (expect fail: 13.1 needs 590.44.01)"
 FAKE=/tmp/fake-venv; PYV=$($PY -c 'import sys; print(f"python{sys.version_info[0]}.{sys.version_info[1]}")')
 mkdir -p "$FAKE/lib/$PYV/site-packages/torch"
 sed -e "s/^__version__ = .*/__version__ = '2.11.0+cu131'/" -e "s/^cuda\(: Optional\[str\]\)\? = .*/cuda: Optional[str] = '13.1'/" "$SITE/torch/version.py" > "$FAKE/lib/$PYV/site-packages/torch/version.py"
 grep -E "^(__version__|cuda)" "$FAKE/lib/$PYV/site-packages/torch/version.py"
 mk /tmp/fake.d "$FAKE"
-$PY -m service.verify --config-dir /tmp/fake.d --only DRV-001,DRV-002; echo "exit $?"
-$PY -m service.verify --config-dir /tmp/fake.d --only DRV-002 --json > "$OUT/drv002_fail.json"
+$PY -m service.host.verify --config-dir /tmp/fake.d --only DRV-001,DRV-002; echo "exit $?"
+$PY -m service.host.verify --config-dir /tmp/fake.d --only DRV-002 --json > "$OUT/drv002_fail.json"
 echo "== done"; date -u

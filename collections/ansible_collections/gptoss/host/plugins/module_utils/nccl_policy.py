@@ -15,7 +15,7 @@ _ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
 
 
 def p2p_decision(policy: str, nvml_report: dict[str, Any] | None) -> tuple[bool, str]:
-    """(disable P2P?, why) for a policy and the host's `service.nvidia --json` report.
+    """(disable P2P?, why) for a policy and the host's `service.host.nvidia --json` report.
 
     `auto` keeps P2P only when NVML says every GPU pair can do it: GeForce cards such as the 4090D
     report no P2P, and NCCL's own probe then tries a path that hangs or corrupts on some boards.

@@ -1,7 +1,7 @@
 """The router's one home for its rules: which workers it routes to, and its command line.
 
 Used by the `gptoss.host.router_config` module (writes /etc/gptoss/router.json), by the host-side
-launcher `service/router_launch.py` (reads it) and by the router check (compares what the running
+launcher `service/venv/router_launch.py` (reads it) and by the router check (compares what the running
 router lists with what the inventory says). No Ansible import here: plain functions, unit-tested.
 """
 

@@ -1,7 +1,7 @@
 """Versioned vLLM venvs side by side, and the pointer symlink the unit runs through.
 
 One home for the rules that the venv builder (modules/vllm_venv), the transaction
-(modules/vllm_change) and verify (service/checks.py, SVC-005) share: how a venv is named, when it
+(modules/vllm_change) and verify (service/host/checks.py, SVC-005) share: how a venv is named, when it
 is complete, where the pointer points, which venvs retention may remove.
 """
 

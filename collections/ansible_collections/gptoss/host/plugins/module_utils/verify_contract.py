@@ -3,7 +3,7 @@
 Roles write their record through the ``gptoss.host.verify_record`` module (``vllm_service`` through
 ``gptoss.host.vllm_change``, which writes it inside its transaction); both call ``check_record``, so a
 record with a key nobody declared, a missing key or a wrong type is refused before anything is
-written. ``service.checks`` reads every record through ``RoleRecord``, which refuses to read an
+written. ``service.host.checks`` reads every record through ``RoleRecord``, which refuses to read an
 undeclared key. ``tests/test_verify_contract.py`` proves that every declared key is written by its role
 and read by a check (or by the rollout gate), so the writers and the readers cannot drift apart.
 

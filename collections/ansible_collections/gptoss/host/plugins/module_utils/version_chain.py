@@ -342,7 +342,7 @@ def pip_dry_run(pip: list[str], requirement: str, args: list[str], env: dict[str
                 timeout: float) -> subprocess.CompletedProcess:
     """pip's own resolver, nothing installed: `pip install --dry-run --report -` (the JSON report on
     stdout). The one command line for both askers: the version chain reads one package's metadata
-    (deps=False), service.install_fit resolves the whole tree for the host's Python (deps=True)."""
+    (deps=False), service.host.install_fit resolves the whole tree for the host's Python (deps=True)."""
     cmd = [*pip, "install", "--dry-run", "--ignore-installed", "--quiet", "--report", "-",
            *([] if deps else ["--no-deps"]), *args, requirement]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)

@@ -14,7 +14,7 @@ description:
 options:
   policy: {description: "auto, enable or disable.", type: str, required: true}
   nvml_report:
-    description: The JSON printed by C(python3 -m service.nvidia --json) on the host; empty when it failed.
+    description: The JSON printed by C(python3 -m service.host.nvidia --json) on the host; empty when it failed.
     type: str
     default: ""
   ib_disable: {description: Set NCCL_IB_DISABLE=1., type: bool, default: true}

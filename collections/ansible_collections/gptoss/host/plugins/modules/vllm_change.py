@@ -56,8 +56,8 @@ options:
     default: []
   record_path: {description: The verify record (JSON)., type: path, required: true}
   record: {description: "What verify must find: base_url, served_model_name, ...", type: dict, default: {}}
-  gate_python: {description: Python that runs service.rollout on the host., type: path, default: /usr/bin/python3}
-  gate_lib_dir: {description: PYTHONPATH for service.rollout., type: path, default: /opt/gptoss/lib}
+  gate_python: {description: Python that runs service.host.rollout on the host., type: path, default: /usr/bin/python3}
+  gate_lib_dir: {description: PYTHONPATH for service.host.rollout., type: path, default: /opt/gptoss/lib}
   gate_timeout_s: {description: Seconds the gate waits for /health and a completion., type: int, default: 900}
   stamp_file:
     description: What the running process started with (written after each gated start).
@@ -304,7 +304,7 @@ class Transaction:
 
     def gate(self, record: dict, since: float | None) -> dict:
         """Wait for /health and one completion on the address, model and key of `record`."""
-        argv = [self.params["gate_python"], "-m", "service.rollout", "wait",
+        argv = [self.params["gate_python"], "-m", "service.host.rollout", "wait",
                 "--base-url", str(record.get("base_url", "")), "--model", str(record.get("served_model_name", "")),
                 "--timeout", str(self.params["gate_timeout_s"]), "--unit", self.unit]
         if record.get("api_key_file"):

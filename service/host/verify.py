@@ -1,4 +1,4 @@
-"""``python3 -m service.verify``: run the live-state checks on this host and report them.
+"""``python3 -m service.host.verify``: run the live-state checks on this host and report them.
 
 Reads ``/etc/gptoss/verify.d/<role>.json`` (what each role promised). The keys of each role's file,
 what they mean and which check reads them are the verify contract:
@@ -23,7 +23,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-from service import checks
+from service.host import checks
 
 DEFAULT_CONFIG_DIR = Path("/etc/gptoss/verify.d")
 FAILING = ("fail", "error")
@@ -184,7 +184,7 @@ def report_hosts(reports: dict[str, dict[str, Any]], *, as_json: bool = False, j
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python3 -m service.verify", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python3 -m service.host.verify", description=__doc__.splitlines()[0])
     parser.add_argument("--config-dir", type=Path, default=DEFAULT_CONFIG_DIR)
     parser.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     parser.add_argument("--junit", metavar="PATH", help="also write JUnit XML here")

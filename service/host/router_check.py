@@ -1,6 +1,6 @@
 """The router check: does the running router list exactly the workers its config (the inventory) names?
 
-Standard library only (`python3 -m service.router_check --config /etc/gptoss/router.json`). Asks the
+Standard library only (`python3 -m service.host.router_check --config /etc/gptoss/router.json`). Asks the
 router's /list_workers and compares with the config's "workers" (module_utils router_config, the one
 home of that rule). With --wait S it polls until they match or S seconds pass (the role's gate after
 a start). Prints one JSON line; exit 0 match, 1 mismatch, 2 the router did not answer.
@@ -42,7 +42,7 @@ def check(config: dict, base_url: str | None = None) -> dict:
 
 
 def main(args: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m service.router_check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python3 -m service.host.router_check", description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=Path("/etc/gptoss/router.json"))
     parser.add_argument("--url", default=None, help="router base URL (default: from the config)")
     parser.add_argument("--wait", type=float, default=0.0, help="poll up to this many seconds for a match")

@@ -22,7 +22,7 @@ from typing import Any
 
 from ansible_collections.gptoss.host.plugins.module_utils import unit_inputs, venv_store, verify_contract, version_chain
 
-from service import nvidia, router_check
+from service.host import nvidia, router_check
 
 STATUSES = ("pass", "fail", "skip", "error")
 DEFAULT_UNIT = "gptoss-vllm.service"
@@ -803,7 +803,7 @@ def check_chat(ctx: Context) -> CheckResult:
 
 def check_model_weights(ctx: Context) -> CheckResult:
     cid, title = "MDL-001", "Weights are sound safetensors"
-    from service.safetensors_check import check_safetensors_dir  # another module; only this check needs it
+    from service.host.safetensors_check import check_safetensors_dir  # another module; only this check needs it
 
     model_dir = Path(str(ctx.role("model_weights").get("model_dir", "")))
     problems = check_safetensors_dir(model_dir)

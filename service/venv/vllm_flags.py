@@ -1,6 +1,6 @@
 """Render a profile's flag mapping into a vLLM argv and validate it against the installed vLLM.
 
-Runs on the host with the vLLM venv's python (`/opt/gptoss/venv/bin/python -m service.vllm_flags`).
+Runs on the host with the vLLM venv's python (`/opt/gptoss/venv/bin/python -m service.venv.vllm_flags`).
 Validation uses vLLM's own parser and engine-config builder, never a copy of its option table, so
 a flag that the installed version does not know (or a value it rejects) fails here, before
 systemd restarts a server that would crash on it.
@@ -34,6 +34,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ansible_collections.gptoss.host.plugins.module_utils.atomic_file import write_atomically
 
 # Flags that the role injects itself; a profile or override must not carry them.
 INJECTED_FLAGS = ("model", "host", "port")
@@ -455,22 +457,6 @@ def check_environment(env: dict[str, Any]) -> list[FlagError]:
 # ---------------------------------------------------------------- CLI
 
 
-def write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
 def load_flags(path: str) -> dict[str, Any]:
     flags = json.loads(Path(path).read_text())
     if not isinstance(flags, dict):
@@ -564,7 +550,7 @@ def keep_result(cache_dir: str | None, key: str, result: dict[str, Any]) -> None
     folder.mkdir(parents=True, exist_ok=True)
     for old in folder.glob("*.json"):
         old.unlink(missing_ok=True)
-    write_atomically(folder / f"{key}.json", json.dumps(result, indent=2) + "\n")
+    write_atomically(str(folder / f"{key}.json"), json.dumps(result, indent=2) + "\n", 0o644)
 
 
 def command_validate(args: argparse.Namespace) -> int:
@@ -589,7 +575,8 @@ def command_validate(args: argparse.Namespace) -> int:
     log_path.unlink(missing_ok=True)
     text = json.dumps(result, indent=2) + "\n"
     if args.out:
-        write_atomically(Path(args.out), text)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(args.out, text, 0o644)
     else:
         sys.stdout.write(text)
     return 0
@@ -608,7 +595,7 @@ def command_render(args: argparse.Namespace) -> int:
 
 
 def build_cli() -> argparse.ArgumentParser:
-    cli = argparse.ArgumentParser(prog="python -m service.vllm_flags", description=__doc__.split("\n")[0])
+    cli = argparse.ArgumentParser(prog="python -m service.venv.vllm_flags", description=__doc__.split("\n")[0])
     commands = cli.add_subparsers(dest="command", required=True)
     for name in ("validate", "render"):
         sub = commands.add_parser(name)

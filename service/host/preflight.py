@@ -1,4 +1,4 @@
-"""``python3 -m service.preflight``: what a converge would need on this host, and whether it can work.
+"""``python3 -m service.host.preflight``: what a converge would need on this host, and whether it can work.
 
 Read-only: it reads /etc/os-release, sysfs, /proc, NVML (optional), statvfs and the model's files, and
 writes nothing. ``playbooks/preflight.yml`` runs it on each host with an input JSON built from the
@@ -15,7 +15,7 @@ Usage: `check [--input FILE] [--json]` (this host), `model-info DIR` (a model fo
 `required-driver --cuda X.Y [--floor N]` (the minimum driver as JSON).
 Exit codes of check: 0 no item blocked, 1 an item is blocked, 2 the input could not be read.
 The rules (memory fit, driver decision, space) are plain functions with unit tests
-(tests/test_preflight.py); the host readers reuse service.checks and service.nvidia.
+(tests/test_preflight.py); the host readers reuse service.host.checks and service.host.nvidia.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 
 from ansible_collections.gptoss.host.plugins.module_utils import version_chain
 
-from service import checks, nvidia
+from service.host import checks, nvidia
 
 STATUSES = ("ok", "will-change", "blocked", "unknown", "skip")
 NVIDIA_PCI_VENDOR = "0x10de"
@@ -261,7 +261,7 @@ def driver_plan(*, running: str | None, required: str | None, required_why: str,
 
 def required_driver(cfg: dict[str, Any]) -> tuple[str | None, str]:
     """The minimum driver and why: an explicit `required` (derived from the vLLM build by the caller),
-    else NVIDIA's table for nvidia_driver_cuda_version (service.nvidia, as detect.yml uses it), never
+    else NVIDIA's table for nvidia_driver_cuda_version (service.host.nvidia, as detect.yml uses it), never
     below nvidia_driver_floor."""
     floor = str(cfg.get("floor") or nvidia.PROJECT_DRIVER_FLOOR)
     if cfg.get("required"):
@@ -606,7 +606,7 @@ def report_hosts(reports: dict[str, dict[str, Any]], as_json: bool = False) -> i
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m service.preflight", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python3 -m service.host.preflight", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command")
     check = sub.add_parser("check", help="evaluate this host")
     check.add_argument("--input", type=Path, help="input JSON from playbooks/preflight.yml (default: defaults)")

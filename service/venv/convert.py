@@ -1,6 +1,6 @@
 """Convert pytorch_model*.bin / *.pt checkpoints to verified safetensors, shard by shard, atomically.
 
-    python -m service.convert MODEL_DIR [--delete-originals] [--check] [--json] [--no-progress] [--jobs N]
+    python -m service.venv.convert MODEL_DIR [--delete-originals] [--check] [--json] [--no-progress] [--jobs N]
 
 Runs on the target host with the vLLM venv's python (torch + safetensors; no tqdm). See the
 "Converter" section of docs/design.md for the protocol. In short:
@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from service.safetensors_check import (
+from service.host.safetensors_check import (
     INDEX_NAME,
     SafetensorsFormatError,
     SafetensorsHeader,

@@ -1,6 +1,6 @@
 """NVIDIA driver facts from /proc and NVML (runs on the host, stdlib only; pynvml is optional).
 
-``python3 -m service.nvidia --json`` prints ``nvml_snapshot()``; the nvidia_driver and nccl_env roles
+``python3 -m service.host.nvidia --json`` prints ``nvml_snapshot()``; the nvidia_driver and nccl_env roles
 call it on the host so there is one reading of "what driver / GPUs / P2P does this box have".
 """
 
@@ -176,7 +176,7 @@ def p2p_reason(snapshot: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m service.nvidia", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python3 -m service.host.nvidia", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the NVML snapshot and /proc facts as JSON")
     parser.add_argument("--cuda", metavar="X.Y",
                         help="also report min_driver_for_cuda for a CUDA X.Y build (version_chain's table)")

