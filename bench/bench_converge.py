@@ -35,9 +35,13 @@ EMPTY_PLAY = """---
 """
 
 
-def run_play(playbook: str, inventory: str | None) -> tuple[float, dict[str, int], str]:
-    """(wall seconds, recap counters summed over hosts, output) of one ansible-playbook run."""
+def run_play(playbook: str, inventory: str | None,
+             task_times: Path | None = None) -> tuple[float, dict[str, int], str]:
+    """(wall seconds, recap counters summed over hosts, output) of one ansible-playbook run; with
+    task_times, the collection's task_times callback writes each task's seconds there."""
     env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
+    if task_times is not None:
+        env.update(ANSIBLE_CALLBACKS_ENABLED="gptoss.host.task_times", GPTOSS_TASK_TIMES=str(task_times))
     command = [str(ROOT / ".venv" / "bin" / "ansible-playbook"), playbook] + (["-i", inventory] if inventory else [])
     started = time.monotonic()
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -52,22 +56,42 @@ def run_play(playbook: str, inventory: str | None) -> tuple[float, dict[str, int
     return seconds, recap, output
 
 
+def print_slowest_tasks(rounds: list[list[dict]], top: int) -> None:
+    """The no-op converge's slowest tasks, median seconds over the rounds: where the ratio goes."""
+    per_task: dict[str, list[float]] = {}
+    for rows in rounds:
+        for row in rows:
+            per_task.setdefault(row["task"], []).append(row["seconds"])
+    if not per_task:
+        return
+    medians = sorted(((statistics.median(v), k) for k, v in per_task.items()), reverse=True)
+    total = sum(m for m, _ in medians)
+    print(f"\nslowest of the no-op's {len(medians)} tasks (median s over the rounds; all tasks {total:.1f} s):")
+    for seconds, name in medians[:top]:
+        print(f"  {seconds:6.2f}  {name}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-i", "--inventory", help="inventory (default: ansible.cfg's, the lab)")
     parser.add_argument("--playbook", default="site.yml")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="also print the results as one JSON line")
+    parser.add_argument("--top", type=int, default=12, help="how many of the no-op's slowest tasks to list")
     args = parser.parse_args(argv)
     with tempfile.NamedTemporaryFile("w", suffix=".yml", dir=ROOT / "playbooks", prefix=".bench-empty-") as empty:
         empty.write(EMPTY_PLAY)
         empty.flush()
         empty_times, converge_times, changed = [], [], []
+        task_seconds: list[list[dict]] = []
         for round_number in range(1, args.rounds + 1):
             seconds, _, _ = run_play(empty.name, args.inventory)
             empty_times.append(seconds)
-            seconds, recap, _ = run_play(args.playbook, args.inventory)
+            times_file = Path(empty.name).with_suffix(f".times-{round_number}.json")
+            seconds, recap, _ = run_play(args.playbook, args.inventory, times_file)
             converge_times.append(seconds)
+            task_seconds.append(json.loads(times_file.read_text()) if times_file.exists() else [])
+            times_file.unlink(missing_ok=True)
             changed.append(recap.get("changed", -1))
             print(f"round {round_number}: empty play {empty_times[-1]:6.1f} s   no-op {args.playbook} "
                   f"{converge_times[-1]:6.1f} s (changed={changed[-1]})", flush=True)
@@ -79,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{ratio:.1f}x   target <= {TARGET_RATIO:g}x   {verdict}")
     if not noop:
         print(f"not a no-op: changed={changed} (converge the host first)")
+    print_slowest_tasks(task_seconds, args.top)
     if args.json:
         print(json.dumps({"empty_s": empty_times, "converge_s": converge_times, "changed": changed,
                           "ratio": ratio, "target": TARGET_RATIO, "verdict": verdict}))

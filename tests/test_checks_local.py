@@ -322,10 +322,8 @@ def test_cmdline_compare_names_first_differing_arg():
 API_KEY = "sk-test-secret-123"
 
 
-class FakeVllm(BaseHTTPRequestHandler):
-    """A tiny OpenAI-shaped server: /health, authenticated /v1/models and /v1/completions."""
-
-    broken_completion = False
+class JsonHandler(BaseHTTPRequestHandler):
+    """What both shaped servers share: quiet, and JSON answers."""
 
     def log_message(self, *args):
         pass
@@ -337,6 +335,12 @@ class FakeVllm(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+
+class FakeVllm(JsonHandler):
+    """A tiny OpenAI-shaped server: /health, authenticated /v1/models and /v1/completions."""
+
+    broken_completion = False
 
     def _authorized(self) -> bool:
         return self.headers.get("Authorization") == f"Bearer {API_KEY}"
@@ -580,21 +584,10 @@ def test_chat_check_skips_with_no_completion(tmp_path, api_server):
 WEBUI_PASSWORD = 'admin pass "#1" $x'
 
 
-class FakeWebui(BaseHTTPRequestHandler):
+class FakeWebui(JsonHandler):
     """Open WebUI's shape: /health, sign-in returning a token, /api/models only with that token."""
 
     models = ["gpt-oss-20b"]
-
-    def log_message(self, *args):
-        pass
-
-    def _send(self, code: int, body: dict | None = None):
-        data = json.dumps(body or {}).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def do_GET(self):
         if self.path == "/health":
