@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -305,3 +306,18 @@ def trixie_converged(trixie_lab: Lab) -> Converge:
 @pytest.fixture(scope="session")
 def lab(converged: Converge, fresh_lab: Lab) -> Lab:
     return fresh_lab
+
+
+class JsonHandler(BaseHTTPRequestHandler):
+    """Base of the tests' shaped HTTP servers (Open WebUI, an OpenAI-shaped server): quiet, JSON answers."""
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, code: int, body: dict | None = None):
+        data = json.dumps(body or {}).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)

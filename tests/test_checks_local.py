@@ -11,11 +11,11 @@ import sys
 import threading
 import time
 import xml.etree.ElementTree as ET
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from conftest import contract_record
+from conftest import JsonHandler, contract_record
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -320,21 +320,6 @@ def test_cmdline_compare_names_first_differing_arg():
 # ------------------------------------------------------------------ HTTP API against a real server
 
 API_KEY = "sk-test-secret-123"
-
-
-class JsonHandler(BaseHTTPRequestHandler):
-    """What both shaped servers share: quiet, and JSON answers."""
-
-    def log_message(self, *args):
-        pass
-
-    def _send(self, code: int, body: dict | None = None):
-        data = json.dumps(body or {}).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
 
 class FakeVllm(JsonHandler):

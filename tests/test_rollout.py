@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import JsonHandler
 
 from service.venv.vllm_flags import render_argv
 
@@ -196,24 +197,13 @@ def test_the_gate_completion_samples_as_a_client_that_sets_nothing():
 
     bodies: list[dict] = []
 
-    class StandIn(http.server.BaseHTTPRequestHandler):
-        def log_message(self, *args):  # keep pytest's output quiet
-            pass
-
-        def reply(self, payload: dict) -> None:
-            data = json.dumps(payload).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class StandIn(JsonHandler):
         def do_GET(self):
-            self.reply({})
+            self._send(200, {})
 
         def do_POST(self):
             bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            self.reply({"choices": [{"text": " hi"}], "usage": {"completion_tokens": 2}})
+            self._send(200, {"choices": [{"text": " hi"}], "usage": {"completion_tokens": 2}})
 
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()

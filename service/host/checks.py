@@ -22,7 +22,7 @@ from typing import Any
 
 from ansible_collections.gptoss.host.plugins.module_utils import unit_inputs, venv_store, verify_contract, version_chain
 
-from service.host import nvidia, router_check
+from service.host import nvidia, rollout, router_check
 
 STATUSES = ("pass", "fail", "skip", "error")
 DEFAULT_UNIT = "gptoss-vllm.service"
@@ -703,7 +703,8 @@ def check_completion(ctx: Context) -> CheckResult:
 
     def probe() -> CheckResult:
         start = time.monotonic()
-        status, body = _http(ctx, "/v1/completions", {"model": name, "prompt": "Hello", "max_tokens": 8})
+        # The gate's own request (one home): sampling left to the server, as for a client that sets none.
+        status, body = _http(ctx, "/v1/completions", rollout.completion_body(name, "Hello", 8))
         ms = (time.monotonic() - start) * 1000
         if status != 200:
             return CheckResult(cid, title, "fail", ">= 1 token", f"HTTP {status}", body[:200].decode(errors="replace"))
