@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, Lab, record_timing, run_invoke
 
-# A drill, not in the default run (`invoke test --drills` runs it): it passed once in the lab and
-# costs ~8-9 minutes of the CI budget (replica converge, the roll, the way back).
+# A drill, not in the default run (`invoke test --drills` runs it): it passed twice in the lab and
+# costs ~6-8 minutes of the CI budget (replica converge, the roll, the way back).
 pytestmark = pytest.mark.drill
 
 REPLICAS = {"vllm_service_profile": "cpu-lab-x2", "router_enabled": True}
