@@ -2,7 +2,7 @@
 
     GPTOSS_LAB=flt python bench/fleet_drill.py [--phases spread,roll,kill] [--json OUT]
 
-Needs a converged fleet (`invoke lab.fleet-up --n 2`). The load is `python -m controller.bench` (what
+Needs a converged fleet (`invoke lab.fleet-up -n 2`). The load is `python -m controller.bench` (what
 `invoke bench` runs) through the router in small closed-loop batches (concurrency 2), so every
 request is counted: ok or failed.
 - spread: each host's own count (vllm:request_success_total on its /metrics) before and after.
@@ -81,7 +81,7 @@ def main() -> int:
     name = os.environ.get("GPTOSS_LAB", "default")
     states = [nspawn.load_state(member) for member in fleet.members(name)]
     if len(states) < 2 or None in states:
-        print(f"fleet_drill: fleet {name} needs 2+ labs up (invoke lab.fleet-up --n 2)", file=sys.stderr)
+        print(f"fleet_drill: fleet {name} needs 2+ labs up (invoke lab.fleet-up -n 2)", file=sys.stderr)
         return 2
     router = f"http://{states[0].address}:8100"
     router_metrics = f"http://{states[0].address}:29000/metrics"

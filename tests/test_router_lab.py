@@ -7,7 +7,9 @@ a completion through it, a second run changes nothing, and a bad policy changes 
 
 from __future__ import annotations
 
+import http.client
 import json
+import ssl
 import time
 import urllib.request
 
@@ -25,7 +27,9 @@ def routed(lab: Lab):
     assert first.rc == 0, first.output[-5000:]
     record_timing("router_converge_first", time.monotonic() - started)
     yield first
-    lab.ssh("systemctl disable --now gptoss-router.service", check=False)
+    # nginx only if the proxy test started it (it pointed at the router).
+    lab.ssh("systemctl disable --now gptoss-router.service; "
+            "test -e /etc/nginx/sites-enabled/gptoss-proxy.conf && systemctl disable --now nginx", check=False)
 
 
 def test_router_serves_the_inventorys_workers_with_the_key_off_the_command_line(lab: Lab, routed):
@@ -68,3 +72,43 @@ def test_a_bad_policy_is_refused_and_nothing_changes(lab: Lab, routed):
     assert "router_policy" in bad.output and "fastest" in bad.output
     assert lab.checksums(*watched) == before
     assert lab.sh("systemctl show -p MainPID --value gptoss-router").strip() == pid
+
+
+# The router's admin endpoints (seen in vllm-router 0.1.17's binary), and paths that normalise to one
+# of them, or to /v1/ from one of them; none may reach the router through the proxy.
+ADMIN_PATHS = ["/remove_worker?url=http://{address}:8000", "/add_worker?url=http://{address}:9",
+               "/list_workers", "/workers", "/flush_cache", "/get_loads", "/start_profile",
+               "/v1/../remove_worker?url=http://{address}:8000", "/v1/%2e%2e/remove_worker?url=http://{address}:8000",
+               "//remove_worker?url=http://{address}:8000", "/remove_worker/../v1/models",
+               "/remove_worker/..%2Fv1/models?url=http://{address}:8000", "/v1/./../list_workers"]
+
+
+def test_the_reverse_proxy_hides_the_routers_admin_endpoints(lab: Lab, routed, tmp_path):
+    address = lab.state.address
+    started = time.monotonic()
+    proxied = lab.play("playbooks/vllm.yml", "--tags", "reverse_proxy",
+                       extra_vars={**ROUTER_VARS, "reverse_proxy_enabled": True,
+                                   "vllm_service_api_key": ROUTER_KEY})
+    assert proxied.rc == 0, proxied.output[-4000:]
+    record_timing("router_reverse_proxy", time.monotonic() - started)
+    cert = tmp_path / "proxy.crt"
+    cert.write_text(lab.sh("cat /etc/gptoss/tls/proxy.crt"))
+    context = ssl.create_default_context(cafile=str(cert))
+
+    def status(method: str, path: str) -> int:
+        # http.client sends the path as given (no normalisation on our side).
+        connection = http.client.HTTPSConnection(address, 8443, timeout=30, context=context)
+        try:
+            connection.request(method, path)
+            return connection.getresponse().status
+        finally:
+            connection.close()
+
+    assert status("GET", "/v1/models") == 200
+    assert status("GET", "/health") == 200
+    for path in ADMIN_PATHS:
+        for method in ("GET", "POST"):
+            assert status(method, path.format(address=address)) in (400, 404), (method, path)
+    # Straight at the router (loopback side) the worker is still listed: nothing went through.
+    listed = json.loads(urllib.request.urlopen(f"http://{address}:8100/list_workers", timeout=10).read())
+    assert listed["urls"] == [f"http://{address}:8000"]
