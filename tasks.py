@@ -95,8 +95,9 @@ def lab_fleet_up(c, n=2, converge=True, extra=""):
     for state, what in fleet.up(lab_name(), int(n)):
         print(f"lab {state.name}: {what}; {state.address}")
     if converge:
-        # All hosts in one batch on this first converge: vllm-router waits at start until every
-        # worker answers, so the router host must not start it before the other hosts serve.
+        # All hosts in one batch on this first converge: vllm-router's start waits for its workers
+        # (it goes on once one answers, and exits after --worker-startup-timeout-secs when none does),
+        # and the first try with one host per batch saw the router host wait on the others.
         _ansible(c, f"ansible-playbook site.yml -e vllm_serial={int(n)} {extra}".strip(), FLEET_INVENTORY)
         first = nspawn.load_state(fleet.members(lab_name())[0])
         print(f"fleet {lab_name()}: router on http://{first.address}:8100 "
