@@ -500,6 +500,10 @@ def tune(c, ttft_p95_ms=800, concurrency=4, max_num_seqs="2,4", max_num_batched_
     hosts = _inventory_hosts(c, inventory)
     if len(hosts) != 1:
         raise Exit(f"tune: needs exactly one host in the inventory, found {hosts}", code=2)
+    problem = tuning.endpoint_problem(url)
+    if problem:
+        raise Exit(f"tune: {problem}. With a replica profile, pass --url: the router (every instance, "
+                   "e.g. http://HOST:8100) or one worker (http://HOST:8001)", code=2)
     candidates = tuning.grid(tuning.parse_int_list(max_num_seqs), tuning.parse_int_list(max_num_batched_tokens),
                              [v.strip() == "on" for v in chunked.split(",")],
                              tuning.TWO_GPU_LAYOUTS if two_gpus else None)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,6 +87,18 @@ def format_trials(trials: list[Trial], target_ms: float, best: Trial | None) -> 
 # and returns its exit code. tasks.py binds both to ansible-playbook and controller.bench.
 Rollout = Callable[[dict[str, Any] | None, str], tuple[bool, str]]
 Bench = Callable[[Path], int]
+
+
+def endpoint_problem(base_url: str, timeout_s: float = 5.0) -> str:
+    """'' when `base_url` answers /health, else why not. Checked before the sweep: with a replica
+    profile the single unit's port serves nothing, and every candidate would be scored as failed."""
+    try:
+        with urllib.request.urlopen(f"{base_url.rstrip('/')}/health", timeout=timeout_s) as reply:
+            return "" if reply.status == 200 else f"{base_url}/health answered HTTP {reply.status}"
+    except urllib.error.HTTPError as err:
+        return f"{base_url}/health answered HTTP {err.code}"
+    except (urllib.error.URLError, OSError) as err:
+        return f"nothing answers at {base_url} ({getattr(err, 'reason', err)})"
 
 
 def rejection_reason(play_output: str) -> str:

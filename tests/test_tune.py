@@ -77,3 +77,27 @@ def test_without_accept_or_winner_nothing_is_written_and_the_status_says_why(tmp
     broken_restore = Recorder({n: (True, bench_result(2, 10.0, 5.0), 0) for n in (1, 2, 3, 4)}, final_ok=False)
     assert tune.run(CANDIDATES, 600.0, 2, False, tmp_path / "w3", tuned, broken_restore.rollout,
                     broken_restore.bench) == 2
+
+
+def test_an_endpoint_that_does_not_serve_is_named_before_the_sweep() -> None:
+    import socket
+    from http.server import ThreadingHTTPServer
+    from threading import Thread
+
+    from conftest import JsonHandler
+
+    class Health(JsonHandler):
+        def do_GET(self):
+            self._send(200 if self.path == "/health" else 404, {})
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    Thread(target=server.serve_forever, daemon=True).start()
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        free_port = probe.getsockname()[1]
+    try:
+        assert tune.endpoint_problem(f"http://127.0.0.1:{server.server_address[1]}") == ""
+        assert tune.endpoint_problem(f"http://127.0.0.1:{free_port}").startswith(
+            f"nothing answers at http://127.0.0.1:{free_port}")
+    finally:
+        server.shutdown()
