@@ -47,7 +47,7 @@ BOOKWORM_LAB_FIXTURES = {"fresh_lab", "lab", "converged"}
 TRIXIE_LAB_FIXTURES = {"trixie_lab", "trixie_converged"}
 # Modules that need only a converged bookworm lab, none of the fresh-host steps: a second group, so
 # that a second worker can run them on a lab of its own beside the first (the longest chain).
-SECOND_BOOKWORM_LAB_MODULES = {"test_failpaths_lab", "test_faults", "test_verify_lab"}
+SECOND_BOOKWORM_LAB_MODULES = {"test_failpaths_lab", "test_faults", "test_verify_lab", "test_replicas_lab"}
 # The upgrade drill builds two more venvs and restarts vLLM a handful of times: a third group.
 THIRD_BOOKWORM_LAB_MODULES = {"test_upgrade_lab"}
 # Longest chains first: the scheduler hands groups out in this order, one to each free worker.

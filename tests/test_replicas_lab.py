@@ -18,9 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, Lab, record_timing, run_invoke
 
-# A drill, not in the default run (`invoke test --drills` runs it): it passed twice in the lab and
-# costs ~6-8 minutes of the CI budget (replica converge, the roll, the way back).
-pytestmark = pytest.mark.drill
+# In the default run (it passed twice as a drill first): ~6-8 minutes of the CI budget (replica
+# converge, the roll, the way back), on the second bookworm lab (tests/conftest.py).
 
 REPLICAS = {"vllm_service_profile": "cpu-lab-x2", "router_enabled": True}
 OUT = ROOT / ".cache" / "bench" / "replicas"
