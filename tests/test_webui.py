@@ -189,3 +189,19 @@ def test_browser_logs_in_through_tls_and_sees_the_streamed_answer(proxy):
     assert SCREENSHOT.stat().st_size > 10_000 and SCREENSHOT.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     if os.environ.get("GPTOSS_WEBUI_SCREENSHOT"):
         shutil.copy(SCREENSHOT, Path(os.environ["GPTOSS_WEBUI_SCREENSHOT"]))
+
+
+def test_a_new_api_key_restarts_the_ui_which_then_reaches_vllm_with_it(lab: Lab, webui):
+    """A key rotation: vLLM restarts with the new key, and so does the UI (it reads the key file only
+    at start). WEB-001 lists the model through the UI, which proves the UI sends the new key."""
+    before = lab.main_pid("gptoss-webui")
+    rotated = lab.play("playbooks/vllm.yml", extra_vars={**WEBUI_VARS, "vllm_service_api_key": API_KEY + "-rotated"})
+    assert rotated.rc == 0, rotated.output[-4000:]
+    record_timing("webui_key_rotation", rotated.seconds)
+    assert "RUNNING HANDLER [webui : Restart Open WebUI]" in rotated.output
+    assert lab.main_pid("gptoss-webui") != before
+    assert lab.sh("sha256sum /etc/gptoss/vllm-secrets.env").split()[0] == lab.sh(
+        "cat /etc/gptoss/webui-api-key.sha256").strip()
+    proc = lab.ssh("cd /opt/gptoss/lib && python3 -m service.host.verify --json --only WEB-001", check=False)
+    result = json.loads(proc.stdout)["results"][0]
+    assert result["status"] == "pass" and result["found"] == "tiny-llama", result
