@@ -1,4 +1,4 @@
-"""The flag grid `invoke tune` sweeps, and how it picks a winner (pure logic, stdlib only).
+"""`invoke tune`: the flag grid, the sweep, and how it picks a winner (stdlib and service.host only).
 
 A candidate is a dict of vLLM flag overrides. Each one is rolled out with the safe rollout and
 benchmarked; `pick_best` takes the highest output throughput among the candidates whose p95 TTFT
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import itertools
 import json
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from service.host import rollout
 
 
 @dataclass
@@ -89,16 +89,17 @@ Rollout = Callable[[dict[str, Any] | None, str], tuple[bool, str]]
 Bench = Callable[[Path], int]
 
 
-def endpoint_problem(base_url: str, timeout_s: float = 5.0) -> str:
-    """'' when `base_url` answers /health, else why not. Checked before the sweep: with a replica
-    profile the single unit's port serves nothing, and every candidate would be scored as failed."""
-    try:
-        with urllib.request.urlopen(f"{base_url.rstrip('/')}/health", timeout=timeout_s) as reply:
-            return "" if reply.status == 200 else f"{base_url}/health answered HTTP {reply.status}"
-    except urllib.error.HTTPError as err:
-        return f"{base_url}/health answered HTTP {err.code}"
-    except (urllib.error.URLError, OSError) as err:
-        return f"nothing answers at {base_url} ({getattr(err, 'reason', err)})"
+def endpoint_problem(base_url: str) -> str:
+    """'' when `base_url` answers /health, else why not (the rollout gate's own probe). Checked before
+    the sweep: with a replica profile the single unit's port serves nothing, and every candidate
+    would be scored as failed."""
+    base_url = base_url.rstrip("/")
+    state = rollout.health_status(base_url)
+    if state is None:
+        return ""
+    if state.startswith("HTTP "):
+        return f"{base_url}/health answered {state}"
+    return f"nothing answers at {base_url} ({state})"
 
 
 def rejection_reason(play_output: str) -> str:
