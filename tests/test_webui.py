@@ -44,9 +44,11 @@ def webui(lab: Lab):
     second = lab.play("playbooks/vllm.yml", extra_vars=WEBUI_VARS)
     record_timing("webui_converge_noop", second.seconds)
     yield first, second
-    lab.sh("systemctl disable --now gptoss-webui.service")
-    restored = lab.play("playbooks/vllm.yml")
-    assert restored.rc == 0, restored.output[-4000:]
+    if lab.sh("test -e /etc/systemd/system/gptoss-webui.service && echo yes || true").strip():
+        # The retire test below did not get to run (or failed): the lab must not keep the UI's
+        # 2.9 GiB venv for the tests after this module (the upgrade drill needs the room).
+        restored = lab.play("playbooks/vllm.yml")
+        assert restored.rc == 0, restored.output[-4000:]
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +79,8 @@ def test_role_converges_idempotent_and_offline(lab: Lab, webui):
     # Loopback only, and systemd denies every address but loopback: no way out even if it tried.
     listen = lab.sh("ss -Hltn 'sport = :8080'").split()
     assert listen and listen[3].startswith("127."), listen
-    assert lab.sh("systemctl show -p IPAddressDeny --value gptoss-webui").split() == ["0.0.0.0/0", "::/0"]
+    # A set to systemd: the order it prints them in varies between runs.
+    assert sorted(lab.sh("systemctl show -p IPAddressDeny --value gptoss-webui").split()) == ["0.0.0.0/0", "::/0"]
     # It never tried to download: no model fetch in its log, no model files in its data folder.
     journal = lab.sh("journalctl -u gptoss-webui -o cat --no-pager")
     assert not re.search(r"snapshot_download|LocalEntryNotFound|SentenceTransformer|huggingface\.co", journal)
@@ -205,3 +208,20 @@ def test_a_new_api_key_restarts_the_ui_which_then_reaches_vllm_with_it(lab: Lab,
     proc = lab.ssh("cd /opt/gptoss/lib && python3 -m service.host.verify --json --only WEB-001", check=False)
     result = json.loads(proc.stdout)["results"][0]
     assert result["status"] == "pass" and result["found"] == "tiny-llama", result
+
+
+def test_turning_the_ui_off_removes_it_and_keeps_its_data(lab: Lab, webui):
+    """webui_enabled back to false (the lab's default): the unit, venv, secrets, key stamp and verify
+    record go; the data folder (accounts, chats) stays; the same play again changes nothing."""
+    databases = "cd /var/lib/gptoss-webui && find . -type f -name '*.db' | sort"
+    data_before = lab.sh(databases).split()
+    off = lab.play("playbooks/vllm.yml")
+    assert off.rc == 0, off.output[-4000:]
+    gone = ["/etc/systemd/system/gptoss-webui.service", "/opt/gptoss/webui-venv", "/etc/gptoss/webui-secrets.env",
+            "/etc/gptoss/webui-api-key.sha256", "/etc/gptoss/verify.d/webui.json"]
+    left = lab.sh(" ".join(f"test -e {path} && echo {path};" for path in gone) + " true").split()
+    assert left == [], left
+    assert lab.sh("systemctl is-active gptoss-webui.service || true").strip() in ("inactive", "unknown")
+    assert data_before and lab.sh(databases).split() == data_before
+    again = lab.play("playbooks/vllm.yml")
+    assert again.rc == 0 and again.recap["changed"] == 0, again.output[-4000:]
