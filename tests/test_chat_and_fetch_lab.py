@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import subprocess
 import time
 import urllib.request
 
@@ -93,3 +95,30 @@ def test_role_fetches_model_and_encodings_from_a_mirror_then_changes_nothing(lab
     second = lab.play("playbooks/model.yml", "--tags", "model_weights", extra_vars=extra)
     assert second.rc == 0 and second.recap["changed"] == 0, second.output[-3000:]
     print(f"mirror fetch in the lab: first run + no-op run {time.monotonic() - started:.1f}s")
+
+
+def test_copy_from_the_controller_repairs_drift_and_then_changes_nothing(lab: Lab, tmp_path):
+    """The controller path of model_weights: a file edited on the host, one with the wrong mode, and
+    one missing in a subfolder are copied again (and only they); the next run changes nothing."""
+    source = tmp_path / "model"
+    subprocess.run(["cp", "-r", str(TINY_MODEL), str(source)], check=True)
+    (source / "extra" / "deep").mkdir(parents=True)
+    (source / "extra" / "deep" / "notes.txt").write_text("a file in a subfolder\n")
+    model = "/models/tiny-llama"
+    lab.sh(f"printf ' ' >> {model}/generation_config.json && chmod 600 {model}/tokenizer_config.json")
+    extra_vars = {"model_weights_source_dir": str(source)}
+    try:
+        result = lab.play("playbooks/model.yml", "--tags", "model_weights", extra_vars=extra_vars)
+        assert result.rc == 0, result.output[-3000:]
+        copied = re.findall(r"^changed: \[[^]]+\] => \(item=(\S+)\)$", result.output, re.MULTILINE)
+        assert sorted(copied) == sorted([f"{model}/extra/deep", f"{model}/extra/deep/notes.txt",
+                                         f"{model}/generation_config.json", f"{model}/tokenizer_config.json"])
+        on_host = lab.checksums(*(f"{model}/{p.relative_to(source)}" for p in source.rglob("*") if p.is_file()))
+        assert on_host == {f"{model}/{p.relative_to(source)}": hashlib.sha256(p.read_bytes()).hexdigest()
+                           for p in source.rglob("*") if p.is_file()}
+        modes = lab.sh(f"stat -c '%a %U %G' {model}/tokenizer_config.json {model}/extra/deep/notes.txt")
+        assert modes.split() == ["644", "root", "root"] * 2
+        again = lab.play("playbooks/model.yml", "--tags", "model_weights", extra_vars=extra_vars)
+        assert again.rc == 0 and again.recap["changed"] == 0, again.output[-3000:]
+    finally:
+        lab.sh(f"rm -rf {model}/extra")
