@@ -658,3 +658,21 @@ def test_check_runs_under_system_python_without_torch(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(b"\x10\0\0\0\0\0\0\0{}")
     bad = check()
     assert bad.returncode == 1 and "model.safetensors" in bad.stdout
+
+
+def test_a_safetensors_model_is_checked_without_importing_torch(tmp_path: Path) -> None:
+    # The role runs the converter on every converge: a model that ships safetensors (gpt-oss) must
+    # not pay torch's import (~1.8 s on the 2-core box) just to be checked; a .bin model needs it.
+    save_file({"a": torch.ones(2)}, tmp_path / "model.safetensors")
+    code = ("import sys; from service.venv import convert; "
+            "sys.exit(convert.main([sys.argv[1], '--json', '--no-progress']) + 10 * ('torch' in sys.modules))")
+
+    def converter_exit(model_dir: Path) -> int:
+        return subprocess.run([sys.executable, "-c", code, str(model_dir)], cwd=REPO_ROOT, capture_output=True,
+                              text=True, timeout=120).returncode
+
+    assert converter_exit(tmp_path) == 0
+    bin_model = tmp_path / "bin"
+    bin_model.mkdir()
+    torch.save({"a": torch.ones(2)}, bin_model / "pytorch_model.bin")
+    assert converter_exit(bin_model) == 10

@@ -43,8 +43,7 @@ from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from service.host.safetensors_check import (
     INDEX_NAME,
@@ -55,6 +54,11 @@ from service.host.safetensors_check import (
     check_safetensors_dir,
     read_header,
 )
+
+# torch is imported where it is used (import time ~1.8 s on the 2-core box): a model that is safetensors
+# already is only checked (headers and sizes, stdlib), so a converge on it never pays for torch.
+if TYPE_CHECKING:
+    import torch
 
 CONVERTER_ID = "gptoss-convert"
 BIN_INDEX_NAME = "pytorch_model.bin.index.json"
@@ -75,28 +79,32 @@ PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 # copy_file_range errors meaning "not here" (old kernel, other file system, no support): fall back to write().
 COPY_RANGE_UNSUPPORTED = {errno.ENOSYS, errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
 
-TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.uint16: "U16",
-    torch.uint32: "U32",
-    torch.uint64: "U64",
-    torch.complex64: "C64",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
-    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+# safetensors' dtype names by torch's (str(dtype) without "torch."): no torch needed to build it.
+SAFETENSORS_DTYPES: dict[str, str] = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "uint16": "U16",
+    "uint32": "U32",
+    "uint64": "U64",
+    "complex64": "C64",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "float8_e4m3fnuz": "F8_E4M3FNUZ",
+    "float8_e5m2fnuz": "F8_E5M2FNUZ",
+    "float8_e8m0fnu": "F8_E8M0",
 }
-if hasattr(torch, "float8_e8m0fnu"):
-    TORCH_TO_SAFETENSORS[torch.float8_e8m0fnu] = "F8_E8M0"
+
+
+def safetensors_dtype(dtype: torch.dtype) -> str | None:
+    return SAFETENSORS_DTYPES.get(str(dtype).removeprefix("torch."))
 
 
 class ConversionError(Exception):
@@ -284,6 +292,8 @@ def bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.numel() != b.numel():
         return False
     if _MEMCMP is None or a.numel() == 0:
+        import torch
+
         return torch.equal(a, b)
     return _MEMCMP(a.data_ptr(), b.data_ptr(), a.numel()) == 0
 
@@ -313,6 +323,7 @@ def _byte_view(flat_u8: torch.Tensor) -> memoryview:
 def _as_flat_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """Flat uint8 view of the tensor's logical bytes, and whether it aliases the source memory
     (False when a non-contiguous tensor had to be copied)."""
+    import torch
     contiguous = tensor.contiguous()
     return contiguous.reshape(-1).view(torch.uint8), contiguous.data_ptr() == tensor.data_ptr()
 
@@ -358,6 +369,7 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], bool]:
     Zip-format checkpoints are memory-mapped, so loading reads only the pickle and tensor bytes are
     paged in as they are copied. Legacy (pre-1.6) files cannot be mapped and are read into memory.
     """
+    import torch
     try:
         mmap_backed = _is_zip_checkpoint(path)
         state = torch.load(path, weights_only=True, mmap=mmap_backed, map_location="cpu")
@@ -383,6 +395,7 @@ def _unsafe_detail(message: str) -> str:
 
 
 def _validate_state_dict(path: Path, state: object) -> dict[str, torch.Tensor]:
+    import torch
     if not isinstance(state, dict):
         raise ConversionError(f"{path}: checkpoint is a {type(state).__name__}, not a dict of tensors")
     for name, value in state.items():
@@ -395,7 +408,7 @@ def _validate_state_dict(path: Path, state: object) -> dict[str, torch.Tensor]:
             )
         if value.layout != torch.strided or value.is_quantized or value.device.type != "cpu":
             raise ConversionError(f"{path}: tensor {name!r} has an unsupported layout ({value.layout})")
-        if value.dtype not in TORCH_TO_SAFETENSORS:
+        if safetensors_dtype(value.dtype) is None:
             raise ConversionError(f"{path}: tensor {name!r} has dtype {value.dtype}, which safetensors lacks")
     return state
 
@@ -462,7 +475,7 @@ def build_header(plan: ShardPlan, metadata: dict[str, str]) -> bytes:
     for name, tensor in plan.tensors:
         nbytes = tensor.numel() * tensor.element_size()
         header[name] = {
-            "dtype": TORCH_TO_SAFETENSORS[tensor.dtype],
+            "dtype": safetensors_dtype(tensor.dtype),
             "shape": list(tensor.shape),
             "data_offsets": [offset, offset + nbytes],
         }
@@ -596,6 +609,7 @@ def verify_shard_file(path: Path, plan: ShardPlan, source: Path, progress: Progr
 
     Bytes are compared as uint8, so NaN payloads and -0.0 must match exactly too.
     """
+    import torch
     try:
         header = read_header(path)
         aliases = aliases_of(header)
@@ -624,7 +638,7 @@ def verify_shard_file(path: Path, plan: ShardPlan, source: Path, progress: Progr
 
 def _compare_tensor(path: Path, source: Path, entry: TensorEntry, tensor: torch.Tensor, on_disk: torch.Tensor,
                     data_start: int, plan: ShardPlan, progress: Progress, label: str) -> None:
-    if entry.dtype != TORCH_TO_SAFETENSORS[tensor.dtype] or entry.shape != list(tensor.shape):
+    if entry.dtype != safetensors_dtype(tensor.dtype) or entry.shape != list(tensor.shape):
         raise ConversionError(f"{path}: tensor {entry.name!r} is {entry.dtype} {entry.shape}, "
                               f"source has {tensor.dtype} {list(tensor.shape)}")
     flat, in_place = _as_flat_bytes(tensor)
