@@ -1,17 +1,20 @@
 """A no-op converge against an empty play that only gathers facts, on the same host, side by side.
 
-    python bench/bench_converge.py [-i INVENTORY] [--rounds 3] [--playbook site.yml] [--json]
+    python bench/bench_converge.py [-i INVENTORY] [--rounds 3] [--playbook site.yml] [--floor-calls 20] [--json]
 
 Target (issue 13): a converge that changes nothing costs at most 2x a play that gathers facts and
 pings the same host. The two run alternately, --rounds times each, in one run (the box may be
 busy, so neither gets a quieter moment); the verdict uses the medians. Every converge round must
-report changed=0, else it was not a no-op and the run says so and exits 1.
+report changed=0, else it was not a no-op and the run says so and exits 1. Each round also times a
+play of 1 and of 1+N trivial module calls (--floor-calls): their difference over N is what one
+module call costs on this controller and host, so the budget reads as a number of calls.
 Exit 0 within target, 1 over target or not a no-op, 2 a play failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -33,6 +36,22 @@ EMPTY_PLAY = """---
     - name: Ping
       ansible.builtin.ping:
 """
+
+
+def floor_play(calls: int) -> str:
+    """A play of `calls` trivial module calls (stat, as root, no facts): what one module call costs
+    here, whatever it does; the 2x budget divided by it is how many calls a no-op can make."""
+    tasks = "".join(f"""    - name: Stat {number}
+      ansible.builtin.stat:
+        path: /etc/hostname
+""" for number in range(calls))
+    return f"""---
+- name: Module-call floor ({calls} calls)
+  hosts: gptoss_hosts
+  gather_facts: false
+  become: true
+  tasks:
+{tasks}"""
 
 
 def run_play(playbook: str, inventory: str | None,
@@ -78,23 +97,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     parser.add_argument("--top", type=int, default=12, help="how many of the no-op's slowest tasks to list")
+    parser.add_argument("--floor-calls", type=int, default=20,
+                        help="also time plays of 1 and 1+N trivial module calls, for the cost of one call (0: off)")
     args = parser.parse_args(argv)
-    with tempfile.NamedTemporaryFile("w", suffix=".yml", dir=ROOT / "playbooks", prefix=".bench-empty-") as empty:
-        empty.write(EMPTY_PLAY)
-        empty.flush()
-        empty_times, converge_times, changed = [], [], []
+    with contextlib.ExitStack() as stack:
+        empty, floor_one, floor_many = (
+            stack.enter_context(tempfile.NamedTemporaryFile("w", suffix=".yml", dir=ROOT / "playbooks",
+                                                            prefix=f".bench-{name}-"))
+            for name in ("empty", "floor-1", "floor-n"))
+        for handle, text in ((empty, EMPTY_PLAY), (floor_one, floor_play(1)),
+                             (floor_many, floor_play(1 + args.floor_calls))):
+            handle.write(text)
+            handle.flush()
+        empty_times, converge_times, changed, call_costs = [], [], [], []
         task_seconds: list[list[dict]] = []
         for round_number in range(1, args.rounds + 1):
             seconds, _, _ = run_play(empty.name, args.inventory)
             empty_times.append(seconds)
+            if args.floor_calls > 0:
+                one, _, _ = run_play(floor_one.name, args.inventory)
+                many, _, _ = run_play(floor_many.name, args.inventory)
+                call_costs.append((many - one) / args.floor_calls)
             times_file = Path(empty.name).with_suffix(f".times-{round_number}.json")
             seconds, recap, _ = run_play(args.playbook, args.inventory, times_file)
             converge_times.append(seconds)
             task_seconds.append(json.loads(times_file.read_text()) if times_file.exists() else [])
             times_file.unlink(missing_ok=True)
             changed.append(recap.get("changed", -1))
+            floor = f"   one module call {call_costs[-1]:.2f} s" if call_costs else ""
             print(f"round {round_number}: empty play {empty_times[-1]:6.1f} s   no-op {args.playbook} "
-                  f"{converge_times[-1]:6.1f} s (changed={changed[-1]})", flush=True)
+                  f"{converge_times[-1]:6.1f} s (changed={changed[-1]}){floor}", flush=True)
     empty_median, converge_median = statistics.median(empty_times), statistics.median(converge_times)
     ratio = converge_median / empty_median
     noop = all(value == 0 for value in changed)
@@ -103,10 +135,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{ratio:.1f}x   target <= {TARGET_RATIO:g}x   {verdict}")
     if not noop:
         print(f"not a no-op: changed={changed} (converge the host first)")
+    if call_costs:
+        per_call = statistics.median(call_costs)
+        print(f"one module call (stat as root, median): {per_call:.2f} s; the no-op's time is "
+              f"{converge_median / per_call:.0f} such calls, the 2x budget ({TARGET_RATIO * empty_median:.1f} s) "
+              f"{TARGET_RATIO * empty_median / per_call:.0f}")
     print_slowest_tasks(task_seconds, args.top)
     if args.json:
         print(json.dumps({"empty_s": empty_times, "converge_s": converge_times, "changed": changed,
-                          "ratio": ratio, "target": TARGET_RATIO, "verdict": verdict}))
+                          "module_call_s": call_costs, "ratio": ratio, "target": TARGET_RATIO, "verdict": verdict}))
     return 0 if verdict == "PASS" else 1
 
 
