@@ -20,6 +20,8 @@ from conftest import JsonHandler, contract_record
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from ansible_collections.gptoss.host.plugins.module_utils import mountinfo  # noqa: E402
+
 from service.host import checks, nvidia, verify  # noqa: E402
 
 H200 = ROOT / "tests" / "data" / "h200"
@@ -220,7 +222,7 @@ def test_cmdline_flags_against_real_proc_cmdline(tmp_path):
 
 def test_mountinfo_parser_unescapes_and_splits_options():
     line = r"339 27 0:55 / /srv/m\040t rw,noatime shared:5 - ext4 /dev/loop0 rw,nobarrier"
-    [m] = checks.parse_mountinfo(line)
+    [m] = mountinfo.parse(line)
     assert m["mount_point"] == "/srv/m t" and m["fstype"] == "ext4" and m["source"] == "/dev/loop0"
     assert m["mount_options"] == ["rw", "noatime"] and m["super_options"] == ["rw", "nobarrier"]
 

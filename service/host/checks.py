@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 import shutil
 import subprocess
 import time
@@ -20,7 +19,14 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from ansible_collections.gptoss.host.plugins.module_utils import unit_inputs, venv_store, verify_contract, version_chain
+from ansible_collections.gptoss.host.plugins.module_utils import (
+    kernel_flags,
+    mountinfo,
+    unit_inputs,
+    venv_store,
+    verify_contract,
+    version_chain,
+)
 
 from service.host import nvidia, rollout, router_check
 
@@ -29,12 +35,6 @@ DEFAULT_UNIT = "gptoss-vllm.service"
 # systemd answers in milliseconds; a host under heavy load (a converge, a model copy) can take seconds.
 SYSTEMCTL_TIMEOUT_S = 20
 UNIT_PROPERTIES = ("MainPID", "ActiveState", "SubState", "UnitFileState", "NRestarts", "LoadState")
-# Options the kernel reports under another spelling than fstab uses.
-OPTION_ALIASES = {"nobarrier": {"nobarrier", "barrier=0"}}
-# NV_REG_UNSET: the driver shows ~0 for a DWORD parameter nobody set (it then applies its default).
-NVREG_UNSET = 4294967295
-# EnableGpuFirmware packs a mode (low nibble: 0 off, 1 on, 2 default) and a policy (0x10 allow fallback).
-GPU_FIRMWARE_MODE_MASK = 0x0F
 
 
 class ConfigError(Exception):
@@ -153,40 +153,6 @@ def systemctl_show(unit: str, properties: tuple[str, ...]) -> dict[str, str]:
 # ------------------------------------------------------------------ parsers of live files
 
 
-def unescape_mountinfo(field: str) -> str:
-    """proc(5) escapes space, tab, newline and backslash as \\ooo octal."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
-def parse_mountinfo(text: str) -> list[dict[str, Any]]:
-    """/proc/PID/mountinfo lines -> mount_point, root, fstype, source, mount options, super options."""
-    mounts = []
-    for line in text.splitlines():
-        left, sep, right = line.partition(" - ")
-        fields, tail = left.split(), right.split()
-        if not sep or len(fields) < 6 or len(tail) < 2:
-            continue
-        mounts.append({
-            "mount_id": int(fields[0]),
-            "root": unescape_mountinfo(fields[3]),
-            "mount_point": unescape_mountinfo(fields[4]),
-            "mount_options": fields[5].split(","),
-            "fstype": tail[0],
-            "source": unescape_mountinfo(tail[1]),
-            "super_options": tail[2].split(",") if len(tail) > 2 else [],
-        })
-    return mounts
-
-
-def parse_cmdline_flags(text: str) -> dict[str, str]:
-    """/proc/cmdline 'key=value' words -> {key: value}; a later word wins, as the kernel applies them."""
-    flags: dict[str, str] = {}
-    for word in text.split():
-        key, _, value = word.partition("=")
-        flags[key] = value
-    return flags
-
-
 def process_tree(root_pid: int, proc: Path = Path("/proc")) -> list[int]:
     """root_pid and all its descendants, from the ppid field of each /proc/PID/stat."""
     children: dict[int, list[int]] = {}
@@ -227,12 +193,6 @@ def read_api_key(path: str) -> str:
     except unit_inputs.KeyFileError as err:
         raise LookupError(str(err)) from None
 
-
-def _num(value: Any) -> int | None:
-    try:
-        return int(str(value), 0)
-    except ValueError:
-        return None
 
 
 # ------------------------------------------------------------------ NVIDIA driver and GPUs
@@ -396,51 +356,35 @@ def check_p2p(ctx: Context) -> CheckResult:
 # ------------------------------------------------------------------ kernel command line
 
 
-def _expected_flags(ctx: Context) -> list[tuple[str, str]]:
-    flags = []
-    for flag in ctx.role("kernel_cmdline").get("flags", []):
-        key, _, value = str(flag).partition("=")
-        flags.append((key, value))
-    return flags
+def _expected_flags(ctx: Context) -> list[str]:
+    return [str(flag) for flag in ctx.role("kernel_cmdline").get("flags", [])]
 
 
 def check_cmdline_flags(ctx: Context) -> CheckResult:
     cid, title = "KRN-001", "nvidia.NVreg_* flags on /proc/cmdline"
     want = _expected_flags(ctx)
-    expected = " ".join(f"{k}={v}" for k, v in want)
+    expected = " ".join(want)
     if not want:
         return CheckResult(cid, title, "skip", "", "", "kernel_cmdline.json lists no flags")
     if ctx.role("kernel_cmdline").get("method") == "modprobe":
         # The flags went to /etc/modprobe.d as driver options: the kernel command line never has them.
         return CheckResult(cid, title, "skip", expected, "", "method modprobe: the flags are driver options "
                            "(KRN-002 reads them in /proc/driver/nvidia/params)")
-    live = parse_cmdline_flags(ctx.cmdline.read_text())
-    found = " ".join(f"{k}={live[k]}" if k in live else f"{k} absent" for k, _ in want)
-    wrong = [f"{k}: {'absent' if k not in live else repr(live[k])} (want {v!r})" for k, v in want
-             if live.get(k) != v]
-    reason = "; ".join(wrong) + (" (reboot pending?)" if wrong else "")
-    return CheckResult(cid, title, "fail" if wrong else "pass", expected, found, reason)
-
-
-def compare_driver_param(name: str, want: str, live: str) -> str | None:
-    """None when the driver's value means what the flag asked for, else why not."""
-    live_n, want_n = _num(live), _num(want)
-    if live_n is None or want_n is None:
-        return None if live == want else f"{live!r} != {want!r}"
-    if live_n == NVREG_UNSET:
-        return f"{live} = unset (driver default), flag not applied"
-    if name == "EnableGpuFirmware":
-        mode = live_n & GPU_FIRMWARE_MODE_MASK
-        labels = {0: "disabled", 1: "enabled", 2: "default policy"}
-        return None if mode == want_n else f"{live} = mode {mode} ({labels.get(mode, '?')}), want mode {want_n}"
-    return None if live_n == want_n else f"{live} != {want}"
+    cmdline = ctx.cmdline.read_text()
+    live = kernel_flags.parse_cmdline_flags(cmdline)
+    found = " ".join(f"{key}={live[key]}" if key in live else f"{key} absent"
+                     for key, _ in map(kernel_flags.split_flag, want))
+    wrong = kernel_flags.flag_problems("grub", want, cmdline, None)
+    reason = "; ".join(f"{kernel_flags.split_flag(f)[0]}: {why}" for f, why in wrong.items())
+    return CheckResult(cid, title, "fail" if wrong else "pass", expected, found,
+                       reason + (" (reboot pending?)" if wrong else ""))
 
 
 def check_driver_params(ctx: Context) -> CheckResult:
     cid, title = "KRN-002", "Flags in effect in /proc/driver/nvidia/params"
-    want = [(k.removeprefix("nvidia.").removeprefix("NVreg_"), v) for k, v in _expected_flags(ctx)
-            if k.startswith("nvidia.NVreg_")]
-    expected = " ".join(f"{k}={v}" for k, v in want)
+    want = [f for f in _expected_flags(ctx) if f.startswith(kernel_flags.DRIVER_FLAG_PREFIX)]
+    names = [kernel_flags.driver_param_name(kernel_flags.split_flag(f)[0]) for f in want]
+    expected = " ".join(f"{name}={kernel_flags.split_flag(f)[1]}" for name, f in zip(names, want, strict=True))
     if not want:
         return CheckResult(cid, title, "skip", "", "", "no nvidia.NVreg_* flags expected")
     if not ctx.proc_driver.get("loaded"):
@@ -448,14 +392,11 @@ def check_driver_params(ctx: Context) -> CheckResult:
     params = ctx.proc_driver.get("params")
     if params is None:
         return CheckResult(cid, title, "error", expected, "", ctx.proc_driver.get("params_reason", ""))
-    found = " ".join(f"{k}: {params.get(k, 'absent')}" for k, _ in want)
-    wrong = []
-    for name, value in want:
-        if name not in params:
-            wrong.append(f"{name}: not in params")
-        elif (why := compare_driver_param(name, value, params[name])) is not None:
-            wrong.append(f"{name}: {why}")
-    return CheckResult(cid, title, "fail" if wrong else "pass", expected, found, "; ".join(wrong))
+    found = " ".join(f"{name}: {params.get(name, 'absent')}" for name in names)
+    wrong = kernel_flags.flag_problems("modprobe", want, "", params)
+    reason = "; ".join(f"{kernel_flags.driver_param_name(kernel_flags.split_flag(f)[0])}: {why}"
+                       for f, why in wrong.items())
+    return CheckResult(cid, title, "fail" if wrong else "pass", expected, found, reason)
 
 
 # ------------------------------------------------------------------ mounts, CPU
@@ -467,18 +408,15 @@ def check_model_mount(ctx: Context) -> CheckResult:
     point, fstype = str(role.get("mount_point", "")), role.get("fstype")
     options = [str(o) for o in role.get("options", [])]
     expected = f"{point} {fstype or '?'} " + ",".join(options)
-    mounts = [m for m in parse_mountinfo(ctx.mountinfo.read_text()) if m["mount_point"] == point.rstrip("/") or
-              m["mount_point"] == point]
-    if not mounts:
+    mount = mountinfo.mount_at(ctx.mountinfo.read_text(), point)
+    if mount is None:
         return CheckResult(cid, title, "fail", expected, "not mounted", f"no mount at {point} in mountinfo")
-    mount = mounts[-1]  # the last one listed is the one on top, the one paths resolve to
-    have = set(mount["mount_options"]) | set(mount["super_options"])
     found = (f"{mount['source']} {mount['fstype']} {','.join(mount['mount_options'])}"
              f" | {','.join(mount['super_options'])}")
     problems = []
     if fstype and mount["fstype"] != fstype:
         problems.append(f"fstype {mount['fstype']} != {fstype}")
-    problems += [f"option {o} missing" for o in options if not OPTION_ALIASES.get(o, {o}) & have]
+    problems += [f"option {o} missing" for o in mountinfo.missing_options(options, mount)]
     return CheckResult(cid, title, "fail" if problems else "pass", expected, found, "; ".join(problems))
 
 

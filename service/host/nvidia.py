@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ansible_collections.gptoss.host.plugins.module_utils import version_chain
+from ansible_collections.gptoss.host.plugins.module_utils import kernel_flags, version_chain
 
 PROC_VERSION = Path("/proc/driver/nvidia/version")
-PROC_PARAMS = Path("/proc/driver/nvidia/params")
+PROC_PARAMS = Path(kernel_flags.PROC_PARAMS)
 # The project's absolute floor (R535 LTS); the CUDA build usually needs more.
 PROJECT_DRIVER_FLOOR = "535"
 
@@ -50,13 +50,8 @@ def parse_proc_version(text: str) -> dict[str, str]:
 
 
 def parse_proc_params(text: str) -> dict[str, str]:
-    """'Name: value' lines of /proc/driver/nvidia/params -> {Name: value} (values kept as text)."""
-    params: dict[str, str] = {}
-    for line in text.splitlines():
-        name, sep, value = line.partition(":")
-        if sep and name.strip():
-            params[name.strip()] = value.strip().strip('"')
-    return params
+    """'Name: value' lines of /proc/driver/nvidia/params -> {Name: value} (module_utils.kernel_flags parses)."""
+    return kernel_flags.parse_driver_params(text)
 
 
 def read_proc_driver(version_path: Path = PROC_VERSION, params_path: Path = PROC_PARAMS) -> dict[str, Any]:

@@ -32,9 +32,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ansible_collections.gptoss.host.plugins.module_utils import version_chain
+from ansible_collections.gptoss.host.plugins.module_utils import kernel_flags, mountinfo, version_chain
 
-from service.host import checks, nvidia
+from service.host import nvidia
 
 STATUSES = ("ok", "will-change", "blocked", "unknown", "skip")
 NVIDIA_PCI_VENDOR = "0x10de"
@@ -413,19 +413,9 @@ def kernel_flags_item(cfg: dict[str, Any], cmdline: str, proc_driver: dict[str, 
         return Item(iid, title, "skip", "", "", "kernel_cmdline_enabled: false"), False
     flags = [str(f) for f in cfg.get("flags", [])]
     method = cfg.get("method", "grub")
-    if method == "grub":
-        live = checks.parse_cmdline_flags(cmdline)
-        pending = [f for f in flags if live.get(f.partition("=")[0]) != f.partition("=")[2]]
-        where = "/proc/cmdline"
-    else:
-        params = proc_driver.get("params") if proc_driver.get("loaded") else None
-        pending = []
-        for flag in flags:
-            key, _, want = flag.partition("=")
-            name = key.removeprefix("nvidia.").removeprefix("NVreg_")
-            if params is None or name not in params or checks.compare_driver_param(name, want, params[name]):
-                pending.append(flag)
-        where = "/proc/driver/nvidia/params" if params is not None else "driver not loaded"
+    params = proc_driver.get("params") if proc_driver.get("loaded") else None
+    pending = list(kernel_flags.flag_problems(method, flags, cmdline, params))
+    where = kernel_flags.where_read(method, params)
     need = " ".join(flags) or "no flags"
     if not pending:
         return Item(iid, title, "ok", f"all live ({where})", need), False
@@ -449,9 +439,8 @@ def model_disk_item(mount_cfg: dict[str, Any], model_dir: str, model_bytes: int 
                     "" if status == "ok" else "free space on the model folder's file system")
     point = str(mount_cfg.get("path", "/models")).rstrip("/") or "/"
     want_fstype = mount_cfg.get("fstype")
-    mounts = [m for m in checks.parse_mountinfo(mountinfo_text) if m["mount_point"] == point]
-    if mounts:
-        mount = mounts[-1]
+    mount = mountinfo.mount_at(mountinfo_text, point)
+    if mount is not None:
         free = shutil.disk_usage(point).free
         found = f"{mount['source']} on {point}: {mount['fstype']}, {human_bytes(free)} free"
         if want_fstype and mount["fstype"] != want_fstype:

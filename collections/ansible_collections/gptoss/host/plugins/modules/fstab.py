@@ -45,26 +45,16 @@ import os
 import tempfile
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.gptoss.host.plugins.module_utils import mountinfo
 
-BARRIER_OPTIONS = {"nobarrier", "barrier=0"}
+# The spellings of "no write barrier": the same alias rule verify (MNT-001) applies.
+BARRIER_OPTIONS = mountinfo.OPTION_ALIASES["nobarrier"]
 FSTYPES_WITH_NOBARRIER = {"ext4"}
 
 
 def escape_fstab(value: str) -> str:
     return value.replace("\\", "\\134").replace(" ", "\\040").replace("\t", "\\011")
 
-
-def unescape_mount(value: str) -> str:
-    """Undo the octal escapes that fstab(5) and proc(5) use for spaces and tabs."""
-    out, i = [], 0
-    while i < len(value):
-        if value[i] == "\\" and value[i + 1:i + 4].isdigit():
-            out.append(chr(int(value[i + 1:i + 4], 8)))
-            i += 4
-        else:
-            out.append(value[i])
-            i += 1
-    return "".join(out)
 
 
 def parse_fstab(text: str) -> list[tuple[str, list[str] | None]]:
@@ -81,18 +71,6 @@ def parse_fstab(text: str) -> list[tuple[str, list[str] | None]]:
         parsed.append((line, fields))
     return parsed
 
-
-def live_mount_options(path: str) -> list[str] | None:
-    """Per-mount plus super options of the mount at `path`, from /proc/self/mountinfo."""
-    found = None
-    with open("/proc/self/mountinfo") as mountinfo:
-        for line in mountinfo:
-            before, _, after = line.partition(" - ")
-            fields, super_fields = before.split(), after.split()
-            if unescape_mount(fields[4]) == path:
-                # The last matching line wins: it is the mount on top.
-                found = fields[5].split(",") + (super_fields[2].split(",") if len(super_fields) > 2 else [])
-    return found
 
 
 def resolve_source(module: AnsibleModule, src: str) -> str:
@@ -148,7 +126,7 @@ def desired_line(params: dict) -> str:
 def new_fstab_text(old: str, params: dict) -> str:
     lines, replaced = [], False
     for line, fields in parse_fstab(old):
-        if fields and unescape_mount(fields[1]) == params["path"]:
+        if fields and mountinfo.unescape(fields[1]) == params["path"]:
             if not replaced:
                 lines.append(desired_line(params))
                 replaced = True
@@ -160,26 +138,25 @@ def new_fstab_text(old: str, params: dict) -> str:
 
 
 def remount(module: AnsibleModule, params: dict, result: dict) -> None:
-    live = live_mount_options(params["path"])
-    wanted = [o for o in params["opts"] if o != "defaults"]
-    if live is not None and all(o in live for o in wanted):
-        result["live_options"] = live
+    mount = mountinfo.read_mount_at(params["path"])
+    if mount is not None and not mountinfo.missing_options(params["opts"], mount):
+        result["live_options"] = sorted(mountinfo.live_options(mount))
         return
     result["changed"] = True
     if module.check_mode:
-        result["live_options"] = live
+        result["live_options"] = sorted(mountinfo.live_options(mount)) if mount is not None else None
         return
     os.makedirs(params["path"], exist_ok=True)
-    cmd = ["mount", "-o", "remount," + ",".join(params["opts"]), params["path"]] if live is not None \
+    cmd = ["mount", "-o", "remount," + ",".join(params["opts"]), params["path"]] if mount is not None \
         else ["mount", params["path"]]
     code, out, err = module.run_command(cmd)
     if code != 0:
         module.fail_json(msg=f"fstab: {' '.join(cmd)} failed: {err.strip() or out.strip()}", **result)
-    live = live_mount_options(params["path"])
-    missing = [o for o in wanted if live is None or o not in live]
+    mount = mountinfo.read_mount_at(params["path"])
+    missing = params["opts"] if mount is None else mountinfo.missing_options(params["opts"], mount)
     if missing:
         module.fail_json(msg=f"fstab: {params['path']} is mounted without {missing} after remount", **result)
-    result["live_options"] = live
+    result["live_options"] = sorted(mountinfo.live_options(mount))
 
 
 def main() -> None:
