@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from service.venv.vllm_flags import FlagError, merge_flags, render_argv
+from service.venv.vllm_flags import FlagError, render_argv
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_VENV = REPO / ".cache" / "vllm-cpu-venv"
@@ -56,11 +56,36 @@ def test_render_follows_the_flag_rules_in_insertion_order():
     ]  # fmt: skip
 
 
-def test_override_null_removes_a_flag_and_other_values_replace():
-    profile = {"block-size": 16, "max-model-len": 32768, "kv-cache-dtype": "auto"}
-    merged = merge_flags(profile, {"block-size": None, "max-model-len": 8192})
-    assert render_argv(merged) == ["--max-model-len", "8192", "--kv-cache-dtype", "auto"]
-    assert profile["block-size"] == 16  # the profile itself is not modified
+def merge_through_the_role_filter(profile, override) -> subprocess.CompletedProcess:
+    """The expression rollout.yml and preflight.yml evaluate, evaluated by ansible itself."""
+    from conftest import ROOT, VENV_BIN
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
+           "ANSIBLE_LOCALHOST_WARNING": "0", "ANSIBLE_INVENTORY_UNPARSED_WARNING": "0",
+           "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.minimal", "ANSIBLE_CALLBACK_RESULT_FORMAT": "json"}
+    return subprocess.run(
+        [str(VENV_BIN / "ansible"), "localhost", "-i", "localhost,", "-c", "local",
+         "-e", json.dumps({"profile": profile, "override": override}), "-m", "ansible.builtin.debug",
+         "-a", "msg={{ profile | gptoss.host.merge_profile_flags(override) | to_json }}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_override_replaces_null_removes_and_the_order_is_kept_in_the_role_filter():
+    profile = {"block-size": 16, "max-model-len": 32768, "kv-cache-dtype": "auto",
+               "compilation-config": {"mode": 0, "cudagraph_capture_sizes": [1, 2]}}
+    override = {"block-size": None, "max-model-len": 8192, "compilation-config": {"mode": 3}, "max-num-seqs": 4}
+    proc = merge_through_the_role_filter(profile, override)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    merged = json.loads(json.loads(proc.stdout.partition("=>")[2])["msg"])
+    assert list(merged.items()) == [("max-model-len", 8192), ("kv-cache-dtype", "auto"),
+                                    ("compilation-config", {"mode": 3}), ("max-num-seqs", 4)]
+    assert render_argv(merged) == ["--max-model-len", "8192", "--kv-cache-dtype", "auto",
+                                   "--compilation-config", '{"mode":3}', "--max-num-seqs", "4"]
+
+
+def test_an_override_that_is_not_a_mapping_is_refused_by_name():
+    proc = merge_through_the_role_filter({"block-size": 16}, ["max-num-seqs=4"])
+    assert proc.returncode != 0
+    assert "vllm_service_flags_override must be a mapping of flag name -> value, got list" in proc.stdout + proc.stderr
 
 
 def test_render_rejects_dashed_names():

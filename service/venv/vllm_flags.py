@@ -85,12 +85,6 @@ def render_argv(flags: dict[str, Any]) -> list[str]:
     return argv
 
 
-def merge_flags(profile_flags: dict[str, Any], override: dict[str, Any] | None) -> dict[str, Any]:
-    """Same rule as the role's `profile.flags | combine(override)`; None values drop out at render."""
-    merged = dict(profile_flags)
-    merged.update(override or {})
-    return merged
-
 
 def inject_serving_flags(
     flags: dict[str, Any], model_dir: str, host: str | None, port: int | None
