@@ -546,7 +546,8 @@ def bench_convert(c, args=""):
 
 @task(name="bench-converge", help={"inventory": "inventory file (default: the lab)", "rounds": "rounds of each play"})
 def bench_converge(c, inventory=None, rounds=3):
-    """A no-op converge against an empty play with fact gathering, same host, side by side (target <= 2x)."""
+    """A no-op converge (ended by the converge receipt) against an empty play with fact gathering, same host,
+    side by side (target <= 2x), and the receipt-off no-op beside them."""
     inv = f"-i {inventory} " if inventory else ""
     c.run(f"{PYTHON} bench/bench_converge.py {inv}--rounds {rounds}", pty=False, env={"GPTOSS_LAB": lab_name()})
 

@@ -3,11 +3,14 @@
     python bench/bench_converge.py [-i INVENTORY] [--rounds 3] [--playbook site.yml] [--floor-calls 20] [--json]
 
 Target (issue 13): a converge that changes nothing costs at most 2x a play that gathers facts and
-pings the same host. The two run alternately, --rounds times each, in one run (the box may be
-busy, so neither gets a quieter moment); the verdict uses the medians. Every converge round must
-report changed=0, else it was not a no-op and the run says so and exits 1. Each round also times a
-play of 1 and of 1+N trivial module calls (--floor-calls): their difference over N is what one
-module call costs on this controller and host, so the budget reads as a number of calls.
+pings the same host. Each round runs, alternately (the box may be busy, so none gets a quieter
+moment): the empty play; the no-op converge as users run it (ended by the converge receipt: same
+inputs, same managed live state); the same converge with the receipt switched off
+(-e gptoss_base_receipt=false: every role runs and finds nothing to do), for reference and for the
+slowest-task list. The verdict uses the medians of the first two. A warm-up converge first makes
+sure the receipt is there; every timed converge must report changed=0, and the receipt's run must
+say the receipt held, else the run says so and exits 1. Each round also times a play of 1 and of
+1+N trivial module calls (--floor-calls): their difference over N is what one module call costs.
 Exit 0 within target, 1 over target or not a no-op, 2 a play failed.
 """
 
@@ -54,14 +57,19 @@ def floor_play(calls: int) -> str:
 {tasks}"""
 
 
-def run_play(playbook: str, inventory: str | None,
-             task_times: Path | None = None) -> tuple[float, dict[str, int], str]:
+RECEIPT_HELD = "holds: inputs and managed live state unchanged, nothing to do"
+RECEIPT_OFF = ["-e", "gptoss_base_receipt=false"]
+
+
+def run_play(playbook: str, inventory: str | None, task_times: Path | None = None,
+             extra: list[str] | None = None) -> tuple[float, dict[str, int], str]:
     """(wall seconds, recap counters summed over hosts, output) of one ansible-playbook run; with
     task_times, the collection's task_times callback writes each task's seconds there."""
     env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
     if task_times is not None:
         env.update(ANSIBLE_CALLBACKS_ENABLED="gptoss.host.task_times", GPTOSS_TASK_TIMES=str(task_times))
     command = [str(ROOT / ".venv" / "bin" / "ansible-playbook"), playbook] + (["-i", inventory] if inventory else [])
+    command += extra or []
     started = time.monotonic()
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     seconds = time.monotonic() - started
@@ -85,7 +93,8 @@ def print_slowest_tasks(rounds: list[list[dict]], top: int) -> None:
         return
     medians = sorted(((statistics.median(v), k) for k, v in per_task.items()), reverse=True)
     total = sum(m for m, _ in medians)
-    print(f"\nslowest of the no-op's {len(medians)} tasks (median s over the rounds; all tasks {total:.1f} s):")
+    print(f"\nslowest of the receipt-off no-op's {len(medians)} tasks (median s over the rounds; "
+          f"all tasks {total:.1f} s):")
     for seconds, name in medians[:top]:
         print(f"  {seconds:6.2f}  {name}")
 
@@ -109,7 +118,12 @@ def main(argv: list[str] | None = None) -> int:
                              (floor_many, floor_play(1 + args.floor_calls))):
             handle.write(text)
             handle.flush()
-        empty_times, converge_times, changed, call_costs = [], [], [], []
+        _, recap, _ = run_play(args.playbook, args.inventory)  # warm-up: writes the receipt if it is missing
+        if recap.get("changed", -1) != 0:
+            print(f"warm-up converge changed={recap.get('changed')}: not a no-op (converge the host first)")
+            return 1
+        empty_times, converge_times, full_times, changed, call_costs = [], [], [], [], []
+        held: list[bool] = []
         task_seconds: list[list[dict]] = []
         for round_number in range(1, args.rounds + 1):
             seconds, _, _ = run_play(empty.name, args.inventory)
@@ -118,31 +132,39 @@ def main(argv: list[str] | None = None) -> int:
                 one, _, _ = run_play(floor_one.name, args.inventory)
                 many, _, _ = run_play(floor_many.name, args.inventory)
                 call_costs.append((many - one) / args.floor_calls)
-            times_file = Path(empty.name).with_suffix(f".times-{round_number}.json")
-            seconds, recap, _ = run_play(args.playbook, args.inventory, times_file)
+            seconds, recap, output = run_play(args.playbook, args.inventory)
             converge_times.append(seconds)
+            held.append(RECEIPT_HELD in " ".join(output.split()))  # the YAML callback folds long lines
+            changed.append(recap.get("changed", -1))
+            times_file = Path(empty.name).with_suffix(f".times-{round_number}.json")
+            seconds, recap, _ = run_play(args.playbook, args.inventory, times_file, RECEIPT_OFF)
+            full_times.append(seconds)
             task_seconds.append(json.loads(times_file.read_text()) if times_file.exists() else [])
             times_file.unlink(missing_ok=True)
             changed.append(recap.get("changed", -1))
             floor = f"   one module call {call_costs[-1]:.2f} s" if call_costs else ""
             print(f"round {round_number}: empty play {empty_times[-1]:6.1f} s   no-op {args.playbook} "
-                  f"{converge_times[-1]:6.1f} s (changed={changed[-1]}){floor}", flush=True)
+                  f"{converge_times[-1]:6.1f} s (receipt {'held' if held[-1] else 'DID NOT HOLD'})   "
+                  f"receipt off {full_times[-1]:6.1f} s   changed={changed[-2:]}{floor}", flush=True)
     empty_median, converge_median = statistics.median(empty_times), statistics.median(converge_times)
+    full_median = statistics.median(full_times)
     ratio = converge_median / empty_median
-    noop = all(value == 0 for value in changed)
+    noop = all(value == 0 for value in changed) and all(held)
     verdict = "PASS" if ratio <= TARGET_RATIO and noop else "MISS"
     print(f"\nno-op converge / empty play (medians): {converge_median:.1f} s / {empty_median:.1f} s = "
           f"{ratio:.1f}x   target <= {TARGET_RATIO:g}x   {verdict}")
+    print(f"receipt off (every role runs, finds nothing): {full_median:.1f} s = {full_median / empty_median:.1f}x")
     if not noop:
-        print(f"not a no-op: changed={changed} (converge the host first)")
+        print(f"not a no-op ended by the receipt: changed={changed}, receipt held={held}")
     if call_costs:
         per_call = statistics.median(call_costs)
-        print(f"one module call (stat as root, median): {per_call:.2f} s; the no-op's time is "
-              f"{converge_median / per_call:.0f} such calls, the 2x budget ({TARGET_RATIO * empty_median:.1f} s) "
+        print(f"one module call (stat as root, median): {per_call:.2f} s; the receipt-off no-op is "
+              f"{full_median / per_call:.0f} such calls, the 2x budget ({TARGET_RATIO * empty_median:.1f} s) "
               f"{TARGET_RATIO * empty_median / per_call:.0f}")
     print_slowest_tasks(task_seconds, args.top)
     if args.json:
-        print(json.dumps({"empty_s": empty_times, "converge_s": converge_times, "changed": changed,
+        print(json.dumps({"empty_s": empty_times, "converge_s": converge_times, "receipt_off_s": full_times,
+                          "receipt_held": held, "changed": changed,
                           "module_call_s": call_costs, "ratio": ratio, "target": TARGET_RATIO, "verdict": verdict}))
     return 0 if verdict == "PASS" else 1
 

@@ -269,20 +269,43 @@ class Converge:
     check_run: PlayResult
     first: PlayResult
     second: PlayResult
+    third: PlayResult
+    # Every file (not folder) the first converge created or changed, from ctime against a marker.
+    written: list[str]
+
+
+# Where a converge's own bookkeeping and the system's runtime state go, never what a role manages.
+NOT_CONVERGE_STATE = ("/proc/", "/sys/", "/dev/", "/run/", "/tmp/", "/var/tmp/", "/var/log/", "/var/cache/",
+                      "/var/lib/systemd/", "/var/lib/apt/", "/var/lib/dpkg/", "/root/", "/var/lib/sudo/")
+
+
+def files_written_since(lab: Lab, marker: str) -> list[str]:
+    """Files whose inode changed after `marker` was made (ctime: a copy that keeps an old mtime is
+    still seen), outside the runtime places above and outside Python's bytecode caches."""
+    prune = " -o ".join(f"-path {p.rstrip('/')}" for p in NOT_CONVERGE_STATE)
+    out = lab.sh(f"find / \\( {prune} \\) -prune -o -path '*/__pycache__' -prune -o "
+                 f"\\( ! -type d -cnewer {marker} -print \\)")
+    return sorted(line for line in out.splitlines() if line and line != marker)
 
 
 def converge_three_ways(lab: Lab, timing_prefix: str = "") -> Converge:
-    """--check --diff on the fresh lab, then a full converge, then a second (idempotence) run."""
+    """--check --diff on the fresh lab, then a full converge, then a second full run with the receipt
+    switched off (the roles' own idempotence), then a third as users run it (ended by the receipt)."""
     before = lab.checksums(*WATCHED_PATHS)
     check_run = lab.play("site.yml", "--check", "--diff")
     after = lab.checksums(*WATCHED_PATHS)
     record_timing(f"{timing_prefix}check_mode_fresh", check_run.seconds)
+    marker = "/var/tmp/gptoss-test-converge-marker"
+    lab.ssh(f"touch {marker} && sleep 0.05")
     first = lab.play("site.yml")
     assert first.rc == 0, f"converge failed:\n{first.output[-6000:]}"
     record_timing(f"{timing_prefix}converge_full", first.seconds)
-    second = lab.play("site.yml")
-    record_timing(f"{timing_prefix}converge_noop", second.seconds)
-    return Converge(before, after, check_run, first, second)
+    written = files_written_since(lab, marker)
+    second = lab.play("site.yml", extra_vars={"gptoss_base_receipt": False})
+    record_timing(f"{timing_prefix}converge_noop_full", second.seconds)
+    third = lab.play("site.yml")
+    record_timing(f"{timing_prefix}converge_noop", third.seconds)
+    return Converge(before, after, check_run, first, second, third, written)
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import subprocess
 
+import jinja2
+import yaml
+from ansible_collections.gptoss.host.plugins.module_utils import converge_receipt
 from conftest import ROOT, VENV_BIN, WATCHED_PATHS, Converge, Lab
 
 from lab import nspawn
@@ -36,9 +39,60 @@ def test_check_diff_on_fresh_lab_changes_nothing(converged: Converge):
 
 
 def test_second_converge_reports_no_change(converged: Converge):
+    # The receipt switched off: every role runs and finds nothing to do (the roles' own idempotence).
     assert converged.second.rc == 0, converged.second.output[-4000:]
+    assert "TASK [vllm_service : Roll out as one transaction" in converged.second.output
     assert converged.second.recap["changed"] == 0, converged.second.output[-6000:]
     assert converged.second.recap["failed"] == 0
+
+
+def test_third_converge_ends_on_the_receipt(converged: Converge):
+    third = converged.third
+    assert third.rc == 0 and third.recap["changed"] == 0 and third.recap["failed"] == 0, third.output[-4000:]
+    said = " ".join(third.output.split())  # the YAML callback folds long messages
+    assert "holds: inputs and managed live state unchanged, nothing to do" in said, third.output[-4000:]
+    # The lab's kernel flags never go live (it shares the controller's kernel): the notice stays.
+    assert "REBOOT REQUIRED: nvidia.NVreg_" in said
+    assert "TASK [vllm_service" not in third.output and "TASK [nccl_env" not in third.output
+    print(f"[must-show] no-op converge: {converged.second.seconds:.1f} s with every role, "
+          f"{third.seconds:.1f} s ended by the receipt")
+
+
+def receipt_watch(lab: Lab) -> list[str]:
+    """gptoss_base's watch list as the role renders it, plus the paths the lab's verify records name."""
+    defaults = yaml.safe_load((ROOT / "roles/gptoss_base/defaults/main.yml").read_text())
+    watch = [jinja2.Template(path).render(defaults) for path in defaults["gptoss_base_receipt_watch"]]
+    records = lab.state.root / "etc/gptoss/verify.d"
+    return converge_receipt.watched_paths(watch, str(records))
+
+
+def test_every_file_the_converge_writes_is_watched_by_the_receipt(converged: Converge, lab: Lab):
+    """The receipt can vouch only for what it watches: every file the fresh converge wrote is under a
+    watched path, or a package's file (dpkg's status, which the receipt hashes, changed with it)."""
+    assert converged.written, "the marker saw no file written: the search is broken"
+    packaged = set(lab.sh("cat /var/lib/dpkg/info/*.list").splitlines())
+    watch = receipt_watch(lab)
+    unwatched = [path for path in converged.written if path not in packaged and not receipt_sees(path, watch)
+                 and not path.startswith(PACKAGE_SCRIPT_OUTPUT)]
+    assert not unwatched, f"written by the converge, not watched by the receipt: {unwatched}"
+    print(f"[must-show] the converge wrote {len(converged.written)} files; every one is watched or a package's")
+
+
+# Written by packages' maintainer scripts and triggers while apt installs (not by a role): an install
+# changes dpkg's status file, which the receipt hashes.
+PACKAGE_SCRIPT_OUTPUT = ("/etc/ld.so.cache",)
+# The receipt's "accounts" part hashes passwd and group; a role that adds a user or group changes them,
+# and shadow, gshadow and the '-' copies change with them.
+ACCOUNT_FILES = ("/etc/passwd", "/etc/group", "/etc/shadow", "/etc/gshadow")
+
+
+def receipt_sees(path: str, watch: list[str]) -> bool:
+    if any(path == w or path.startswith(w.rstrip("/") + "/") for w in watch):
+        return True
+    if path.removesuffix("-") in ACCOUNT_FILES:
+        return True
+    # A backup a module leaves beside a watched file when it changes it (fstab.<pid>.<date>~).
+    return path.endswith("~") and any(path.startswith(w + ".") for w in watch)
 
 
 def test_converge_leaves_managed_files_in_place(lab: Lab):
