@@ -1,74 +1,23 @@
-"""Set and read the CPU frequency governor on every CPU (runs on the host, stdlib only).
+"""Set or show the CPU frequency governor on every CPU: the command line of the boot unit.
 
-Used both by the cpu_governor role (now) and by gptoss-cpu-governor.service (at every boot),
-so there is one implementation of "what performance means on this cpufreq driver".
+gptoss-cpu-governor.service runs ``python3 -m service.host.cpu_governor set <governor>`` at every
+boot; the role sets it through the ``gptoss.host.cpu_governor`` module. Both call the collection's
+``module_utils/cpu_governor.py`` (runs on the host's system python, stdlib only).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
-from pathlib import Path
 
-CPU_ROOT = Path("/sys/devices/system/cpu")
-# intel_pstate (active) and amd-pstate-epp offer only performance/powersave; acpi-cpufreq and
-# amd-pstate (passive/guided) offer the classic set. The name is the same on all of them.
-KNOWN_DRIVERS = {"intel_pstate", "intel_cpufreq", "acpi-cpufreq", "amd-pstate", "amd-pstate-epp", "cppc_cpufreq"}
-
-
-def cpufreq_dirs(root: Path = CPU_ROOT) -> list[Path]:
-    return sorted((p for p in root.glob("cpu[0-9]*/cpufreq") if (p / "scaling_governor").exists()),
-                  key=lambda p: int(p.parent.name[3:]))
-
-
-def read(path: Path) -> str:
-    return path.read_text().strip() if path.exists() else ""
-
-
-def state(root: Path = CPU_ROOT) -> dict:
-    dirs = cpufreq_dirs(root)
-    if not dirs:
-        return {"supported": False, "reason": "no cpufreq in sysfs (VM or container): governor not supported",
-                "cpus": {}}
-    return {
-        "supported": True,
-        "driver": read(dirs[0] / "scaling_driver"),
-        "cpus": {d.parent.name: {"governor": read(d / "scaling_governor"),
-                                 "available": read(d / "scaling_available_governors").split(),
-                                 "epp": read(d / "energy_performance_preference") or None}
-                 for d in dirs},
-    }
-
-
-def apply(governor: str, check: bool, root: Path = CPU_ROOT) -> dict:
-    before = state(root)
-    result = {**before, "changed": False, "governor": governor, "set": []}
-    if not before["supported"]:
-        return result
-    for cpu, info in before["cpus"].items():
-        if info["available"] and governor not in info["available"]:
-            raise SystemExit(f"error: {cpu}: governor {governor!r} not offered by {before['driver']} "
-                             f"(available: {', '.join(info['available'])})")
-        if info["governor"] != governor:
-            result["set"].append(cpu)
-            result["changed"] = True
-            if not check:
-                (root / cpu / "cpufreq/scaling_governor").write_text(governor)
-        # With EPP drivers the "performance" governor already pins EPP; keep it explicit where writable.
-        epp_file = root / cpu / "cpufreq/energy_performance_preference"
-        if governor == "performance" and info["epp"] not in (None, "performance") and not check:
-            # The performance governor may force EPP=performance and lock the file.
-            with contextlib.suppress(OSError):
-                epp_file.write_text("performance")
-    after = state(root) if not check else before
-    if not check:
-        wrong = {cpu: i["governor"] for cpu, i in after["cpus"].items() if i["governor"] != governor}
-        if wrong:
-            raise SystemExit(f"error: governor did not stick on {wrong}")
-        result["cpus"] = after["cpus"]
-    return result
+from ansible_collections.gptoss.host.plugins.module_utils.cpu_governor import (  # noqa: F401 (re-exported)
+    CPU_ROOT,
+    GovernorError,
+    apply,
+    cpufreq_dirs,
+    state,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     set_cmd.add_argument("--check", action="store_true", help="report what would change, change nothing")
     sub.add_parser("show", help="print the live governor of every CPU")
     args = parser.parse_args(argv)
-    result = apply(args.governor, args.check) if args.command == "set" else state()
+    try:
+        result = apply(args.governor, args.check) if args.command == "set" else state()
+    except GovernorError as exc:
+        raise SystemExit(f"error: {exc}") from None
     json.dump(result, sys.stdout)
     print()
     return 0
