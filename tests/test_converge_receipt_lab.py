@@ -55,7 +55,6 @@ def test_changed_inputs_run_the_whole_converge_and_a_narrowed_run_writes_no_rece
     assert result.rc == 0 and "full converge: inputs (project files, variables or controller files)" \
         in said(result.output), result.output[-5000:]
     assert result.recap["changed"] == 0, result.output[-5000:]  # the receipt is bookkeeping, not a change
-    ends_on_the_receipt(lab, "-e", json.dumps(own_source))
     # A newer file in the controller folder is a changed input, though its content is the same.
     later = time.time() + 5
     os.utime(source / "config.json", (later, later))
@@ -68,7 +67,5 @@ def test_changed_inputs_run_the_whole_converge_and_a_narrowed_run_writes_no_rece
     tagged = lab.play("site.yml", "--tags", "nccl_env")
     assert tagged.rc == 0 and "full converge: inputs" in said(tagged.output), tagged.output[-4000:]
     assert "TASK [vllm_service : Roll out" not in tagged.output and lab.sh(f"cat {RECEIPT}") == receipt
-    back = lab.play("site.yml")
-    assert back.rc == 0 and "full converge: inputs" in said(back.output) and back.recap["changed"] == 0
-    assert lab.sh(f"cat {RECEIPT}") != receipt
-    ends_on_the_receipt(lab)
+    # The receipt left here names this test's model folder: the next plain converge runs every role
+    # (its inputs differ) and writes a receipt of its own.
