@@ -76,9 +76,9 @@ def test_the_module_checks_writes_and_then_vouches_until_something_changes(tmp_p
     watched = tmp_path / "etc"
     watched.mkdir()
     (watched / "a.conf").write_text("x=1\n")
-    receipt = tmp_path / "var" / "receipt.json"
-    args = {"path": str(receipt), "watch": [str(watched)], "records_dir": str(tmp_path / "none"),
-            "inputs": "0" * 64}
+    receipt = tmp_path / "var" / "receipt.json"  # a watched folder that the first write creates
+    args = {"path": str(receipt), "watch": [str(watched), str(receipt.parent)],
+            "records_dir": str(tmp_path / "none"), "inputs": "0" * 64}
     first = run_ansible_module("converge_receipt", {**args, "state": "check"})
     assert not first["failed"] and first["current"] is False and first["differs"][0].startswith("no receipt")
     written = run_ansible_module("converge_receipt", {**args, "state": "write", "notices": ["REBOOT REQUIRED: x"]})

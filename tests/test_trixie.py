@@ -46,6 +46,11 @@ def test_check_mode_on_the_fresh_host_changes_nothing(trixie_converged: Converge
     assert "--- before" in trixie_converged.check_run.output  # --diff showed what a converge would write
 
 
+def test_the_third_run_is_ended_by_the_converge_receipt(trixie_converged: Converge):
+    said = " ".join(trixie_converged.third.output.split())
+    assert "holds: inputs and managed live state unchanged, nothing to do" in said, said[-3000:]
+
+
 def test_full_converge_then_a_second_run_changes_nothing(trixie_converged: Converge):
     assert trixie_converged.first.recap["failed"] == 0 and trixie_converged.first.recap["changed"] > 0
     assert trixie_converged.second.rc == 0, trixie_converged.second.output[-4000:]

@@ -132,8 +132,11 @@ def main() -> None:
         module.exit_json(changed=changed, current=False, differs=[], notices=[])
     if p["state"] in ("check", "write") and not p["inputs"]:
         module.fail_json(msg="converge_receipt: inputs is empty (the action plugin computes it on the controller)")
-    # The receipt may live under a watched folder: it is not state it vouches for.
+    # The receipt may live under a watched folder: it is not state it vouches for. Its folder is made
+    # before the state is read, or the first receipt would vouch for a host without it.
     skip = [*p["skip"], os.path.basename(p["path"]), "." + os.path.basename(p["path"]) + ".*"]
+    if p["state"] == "write" and not module.check_mode:
+        os.makedirs(os.path.dirname(p["path"]), mode=0o755, exist_ok=True)
     state = converge_receipt.state_digests(p["watch"], p["records_dir"], unit_state(module, p["units"]), skip)
     differs = converge_receipt.differing_parts(receipt, p["inputs"], state)
     if p["state"] == "check":
@@ -145,7 +148,6 @@ def main() -> None:
     old = (receipt or {})
     changed = bool(differs) or old.get("notices", []) != p["notices"]
     if changed and not module.check_mode:
-        os.makedirs(os.path.dirname(p["path"]), mode=0o755, exist_ok=True)
         atomic_file.write_atomically(p["path"], text, 0o600)
     module.exit_json(changed=changed, current=True, differs=differs, notices=p["notices"], written_at=written_at)
 
