@@ -33,6 +33,8 @@ import stat
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ansible_collections.gptoss.host.plugins.module_utils import mountinfo
+
 RECEIPT_FORMAT = 1
 # Files up to this size are hashed; larger ones (weights, shared libraries) by size and mtime.
 HASHED_FILE_MAX = 1 << 20
@@ -152,16 +154,11 @@ def _absolute_paths(value: Any) -> list[str]:
 
 
 def mount_lines(mountinfo_text: str, points: Iterable[str]) -> list[str]:
-    """The mountinfo lines at or above the watched paths' mount points, without the mount ids
-    (which a remount of anything else can renumber): source, fstype and options."""
+    """The mounts at the watched paths' mount points, as module_utils/mountinfo.py parses them, without
+    the mount ids (which a remount of anything else can renumber): root, point, source, fstype, options."""
     wanted = set(points)
-    lines = []
-    for line in mountinfo_text.splitlines():
-        left, _, right = line.partition(" - ")
-        fields = left.split()
-        if len(fields) >= 6 and fields[4] in wanted:
-            lines.append(" ".join(fields[3:6]) + " - " + right)
-    return sorted(lines)
+    return sorted(json.dumps({k: v for k, v in mount.items() if k != "mount_id"}, sort_keys=True)
+                  for mount in mountinfo.parse(mountinfo_text) if mount["mount_point"] in wanted)
 
 
 def _read(path: str) -> str:

@@ -82,13 +82,15 @@ def unit_state(module: AnsibleModule, patterns: list[str]) -> str:
     """`systemctl show` of the units (files or loaded) matching the patterns, as text."""
     if not patterns:
         return ""
-    rc, out, err = module.run_command(["systemctl", "list-unit-files", "--no-legend", "--no-pager", "--plain",
-                                       *patterns], environ_update={"LC_ALL": "C"})
-    names = {line.split()[0] for line in out.splitlines() if line.strip()}
-    rc2, out2, _ = module.run_command(["systemctl", "list-units", "--all", "--no-legend", "--no-pager", "--plain",
-                                       *patterns], environ_update={"LC_ALL": "C"})
-    names |= {line.split()[0] for line in out2.splitlines() if line.strip()}
-    names = sorted(n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns))
+    found: set[str] = set()
+    for listing in (["list-unit-files"], ["list-units", "--all"]):
+        rc, out, err = module.run_command(["systemctl", *listing, "--no-legend", "--no-pager", "--plain", *patterns],
+                                          environ_update={"LC_ALL": "C"})
+        # list-unit-files exits 1 when no file matches; anything else is systemd not answering.
+        if rc not in (0, 1):
+            module.fail_json(msg=f"converge_receipt: systemctl {listing[0]} failed: {err.strip()}")
+        found |= {line.split()[0] for line in out.splitlines() if line.strip()}
+    names = sorted(n for n in found if any(fnmatch.fnmatchcase(n, p) for p in patterns))
     if not names:
         return "no units"
     rc, out, err = module.run_command(["systemctl", "show", "--property", ",".join(converge_receipt.UNIT_PROPERTIES),
