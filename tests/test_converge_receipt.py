@@ -69,7 +69,24 @@ def test_the_parts_that_differ_are_named():
     receipt = json.loads(cr.receipt_text("i", state, [], "2026-12-04T00:00:00+00:00"))
     assert cr.differing_parts(receipt, "i", state) == []
     assert cr.differing_parts(receipt, "j", {**state, "units": "c"}) == [
-        "inputs (project files, variables or controller files)", "units"]
+        "inputs (project files, variables, inventory or controller files)", "units"]
+    assert cr.differing_parts(receipt, "i", {**state, "boot": "other"}) == [
+        "boot (the host rebooted since the receipt)"]
+    assert cr.differing_parts(receipt, "i", state, ["h: x cannot be templated (undefined)"]) == [
+        "inputs not computable ahead: h: x cannot be templated (undefined)"]
+
+
+def test_a_receipt_older_than_its_maximum_age_vouches_for_nothing():
+    import datetime
+    state = {"units": "b"}
+    receipt = json.loads(cr.receipt_text("i", state, [], "2026-12-04T00:00:00+00:00"))
+    day_later = datetime.datetime(2026, 12, 5, 0, 0, 1, tzinfo=datetime.UTC)
+    assert cr.differing_parts(receipt, "i", state, max_age_s=0, now=day_later) == []  # no limit
+    assert cr.differing_parts(receipt, "i", state, max_age_s=86401, now=day_later) == []
+    assert cr.differing_parts(receipt, "i", state, max_age_s=86400, now=day_later) == [
+        "receipt age (24.0 h; gptoss_base_receipt_max_age_s: 86400)"]
+    unreadable = {**receipt, "written_at": "yesterday"}
+    assert cr.differing_parts(unreadable, "i", state, max_age_s=60, now=day_later)[0].startswith("receipt age (unknown")
 
 
 def test_the_module_checks_writes_and_then_vouches_until_something_changes(tmp_path):
@@ -99,8 +116,9 @@ def test_a_record_naming_the_root_or_a_virtual_file_system_walks_nothing_there(t
     assert cr.watched_paths([], str(tmp_path)) == ["/srv/m"]
 
 
-def test_the_inputs_take_role_variables_whole_names_and_facts_not_the_rest():
-    host_vars = {"vllm_service_port": 8000, "ansible_host": "10.0.0.2", "ansible_host_key_checking": False,
-                 "ansible_user_dir": "/root", "unrelated": 1, "ansible_facts": {"kernel": "6.1", "uptime": 9}}
-    chosen = cr.selected_vars(host_vars, ["vllm_", "ansible_host"], ["kernel"])
-    assert chosen == {"vllm_service_port": 8000, "ansible_host": "10.0.0.2", "fact:kernel": "6.1"}
+def test_the_inputs_take_role_variables_and_whole_names_not_the_receipts_own_switches():
+    from ansible_collections.gptoss.host.plugins.plugin_utils import receipt_inputs
+    names = ["vllm_service_port", "ansible_host", "ansible_host_key_checking", "ansible_user_dir", "unrelated",
+             "gptoss_base_receipt", "gptoss_base_receipt_max_age_s", "gptoss_base_prefix"]
+    assert receipt_inputs.selected_names(names, ["vllm_", "gptoss_", "ansible_host"]) == [
+        "ansible_host", "gptoss_base_prefix", "vllm_service_port"]

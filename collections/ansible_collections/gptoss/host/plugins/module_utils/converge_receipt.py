@@ -10,14 +10,16 @@ the roles copy from) and digests of the live state the roles manage, read on the
   inputs). A file up to 1 MiB is hashed; a larger one (weights, libraries) by size and mtime;
   a venv by its manifest, ``pyvenv.cfg`` and the listing of ``site-packages`` (what pip changes);
 - ``units``: load, active, sub and enablement state, main PID and restarts of the project's units;
-- ``kernel``: the boot id (a reboot), ``/proc/cmdline`` and the loaded NVIDIA driver's parameters;
+- ``boot``: the boot id (a reboot always runs the whole converge);
+- ``kernel``: ``/proc/cmdline`` and the loaded NVIDIA driver's parameters;
 - ``mounts``: the mountinfo lines of the watched mount points;
 - ``cpu``: every CPU's scaling governor;
 - ``packages``, ``accounts``: dpkg's status file, ``/etc/passwd`` and ``/etc/group``.
 
 The next converge asks first (one module call): same inputs and same state, so every role would
-find nothing to do, and the play ends for that host; anything different (which part is said), and
-the whole converge runs, then writes a new receipt. ``tests/test_converge_receipt_lab.py`` proves on
+find nothing to do, and the play ends for that host; anything different (which part is said), a
+receipt older than its maximum age, or inputs that could not be computed ahead, and the whole
+converge runs, then writes a new receipt. ``tests/test_converge_receipt_lab.py`` proves on
 the lab that every file a converge writes is watched, and that drift in each part is seen.
 
 Runs on the host (the module, standard library only) and on the controller (the inputs digest).
@@ -25,6 +27,7 @@ Runs on the host (the module, standard library only) and on the controller (the 
 
 from __future__ import annotations
 
+import datetime
 import fnmatch
 import hashlib
 import json
@@ -35,7 +38,8 @@ from typing import Any
 
 from ansible_collections.gptoss.host.plugins.module_utils import mountinfo
 
-RECEIPT_FORMAT = 1
+# 2: the inputs are the templated values (plugin_utils/receipt_inputs.py); the boot id is a part of its own.
+RECEIPT_FORMAT = 2
 # Files up to this size are hashed; larger ones (weights, shared libraries) by size and mtime.
 HASHED_FILE_MAX = 1 << 20
 # Written by the processes themselves, never by a converge: bytecode caches.
@@ -179,9 +183,9 @@ def state_digests(watch: Iterable[str], records_dir: str, unit_text: str, skip: 
     skip = tuple(skip)
     digests = {f"files:{path}": _sha256("\n".join(tree_lines(path, skip)).encode()) for path in paths}
     digests["units"] = _sha256(unit_text.encode())
+    digests["boot"] = _read(os.path.join(proc, "sys/kernel/random/boot_id"))
     digests["kernel"] = _sha256("\n".join(
-        _read(os.path.join(proc, name)) for name in
-        ("sys/kernel/random/boot_id", "cmdline", "driver/nvidia/params")).encode())
+        _read(os.path.join(proc, name)) for name in ("cmdline", "driver/nvidia/params")).encode())
     try:
         with open(os.path.join(proc, "self/mountinfo"), encoding="utf-8", errors="replace") as handle:
             mountinfo_text = handle.read()
@@ -198,15 +202,40 @@ def state_digests(watch: Iterable[str], records_dir: str, unit_text: str, skip: 
     return digests
 
 
-def differing_parts(receipt: Mapping[str, Any] | None, inputs: str, state: Mapping[str, str]) -> list[str]:
-    """Why the receipt does not vouch for this run: [] when it does."""
+# Why a part differs, in the play's words (the others are named as they are).
+PART_REASONS = {"boot": "boot (the host rebooted since the receipt)"}
+
+
+def receipt_age_s(receipt: Mapping[str, Any], now: datetime.datetime) -> float | None:
+    """Seconds since the receipt was written; None when its time cannot be read."""
+    try:
+        written = datetime.datetime.fromisoformat(str(receipt.get("written_at")))
+    except ValueError:
+        return None
+    if written.tzinfo is None:
+        return None
+    return (now - written).total_seconds()
+
+
+def differing_parts(receipt: Mapping[str, Any] | None, inputs: str, state: Mapping[str, str],
+                    input_problems: Iterable[str] = (), max_age_s: int = 0,
+                    now: datetime.datetime | None = None) -> list[str]:
+    """Why the receipt does not vouch for this run: [] when it does. `max_age_s` > 0: a receipt
+    older than that vouches for nothing (a full converge now and then, whatever the digests say)."""
+    problems = [f"inputs not computable ahead: {problem}" for problem in input_problems]
     if not receipt:
-        return ["no receipt (no full converge has finished here)"]
+        return ["no receipt (no full converge has finished here)", *problems]
     if receipt.get("format") != RECEIPT_FORMAT:
-        return [f"receipt format {receipt.get('format')!r} (want {RECEIPT_FORMAT})"]
-    parts = [] if receipt.get("inputs") == inputs else ["inputs (project files, variables or controller files)"]
+        return [f"receipt format {receipt.get('format')!r} (want {RECEIPT_FORMAT})", *problems]
+    parts = problems or ([] if receipt.get("inputs") == inputs
+                         else ["inputs (project files, variables, inventory or controller files)"])
+    if max_age_s > 0:
+        age = receipt_age_s(receipt, now or datetime.datetime.now(datetime.UTC))
+        if age is None or age > max_age_s:
+            parts.append(f"receipt age ({'unknown' if age is None else f'{age / 3600:.1f} h'}; "
+                         f"gptoss_base_receipt_max_age_s: {max_age_s})")
     old = receipt.get("state") or {}
-    parts += sorted(part for part in set(old) | set(state) if old.get(part) != state.get(part))
+    parts += sorted(PART_REASONS.get(part, part) for part in set(old) | set(state) if old.get(part) != state.get(part))
     return parts
 
 
@@ -260,17 +289,6 @@ def source_tree_digest(roots: Iterable[str]) -> str:
                 full = os.path.join(folder, name)
                 digest.update(f"{os.path.relpath(full, root)} {_read(full)}\n".encode())
     return digest.hexdigest()
-
-
-def selected_vars(host_vars: Mapping[str, Any], prefixes: Iterable[str], facts: Iterable[str]) -> dict[str, Any]:
-    """The variables a converge reads: every name with a role prefix (an entry ending in '_'), the
-    names given whole (the others: ansible_host, ...), and the named facts."""
-    prefixes = tuple(prefixes)
-    starts = tuple(p for p in prefixes if p.endswith("_"))
-    chosen = {k: v for k, v in host_vars.items() if k.startswith(starts) or k in prefixes}
-    ansible_facts = host_vars.get("ansible_facts") or {}
-    chosen.update({f"fact:{name}": ansible_facts.get(name) for name in facts})
-    return chosen
 
 
 def inputs_digest(sources: str, variables: Mapping[str, Any], controller_files: Mapping[str, str]) -> str:

@@ -18,6 +18,15 @@ description:
 options:
   state: {description: What to do., type: str, choices: [check, write, absent], default: check}
   inputs: {description: The controller's digest of this run's inputs., type: str, default: ""}
+  input_problems:
+    description: Why the inputs could not be computed ahead (the action plugin); any makes the run a full converge.
+    type: list
+    elements: str
+    default: []
+  max_age_s:
+    description: A receipt older than this many seconds vouches for nothing (0 - no limit).
+    type: int
+    default: 86400
   path: {description: The receipt file., type: path, default: /var/lib/gptoss/converge-receipt.json}
   watch:
     description: Paths whose files are watched (walked; the verify records add the paths they name).
@@ -116,6 +125,8 @@ def main() -> None:
         argument_spec=dict(
             state=dict(type="str", choices=["check", "write", "absent"], default="check"),
             inputs=dict(type="str", default=""),
+            input_problems=dict(type="list", elements="str", default=[]),
+            max_age_s=dict(type="int", default=86400),
             path=dict(type="path", default="/var/lib/gptoss/converge-receipt.json"),
             watch=dict(type="list", elements="path", default=[]),
             skip=dict(type="list", elements="str", default=[]),
@@ -140,7 +151,7 @@ def main() -> None:
     if p["state"] == "write" and not module.check_mode:
         os.makedirs(os.path.dirname(p["path"]), mode=0o755, exist_ok=True)
     state = converge_receipt.state_digests(p["watch"], p["records_dir"], unit_state(module, p["units"]), skip)
-    differs = converge_receipt.differing_parts(receipt, p["inputs"], state)
+    differs = converge_receipt.differing_parts(receipt, p["inputs"], state, p["input_problems"], p["max_age_s"])
     if p["state"] == "check":
         module.exit_json(changed=False, current=not differs, differs=differs,
                          notices=(receipt or {}).get("notices", []) if not differs else [],
@@ -148,7 +159,9 @@ def main() -> None:
     written_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     text = converge_receipt.receipt_text(p["inputs"], state, p["notices"], written_at)
     old = (receipt or {})
-    changed = bool(differs) or old.get("notices", []) != p["notices"]
+    # Written again whenever anything differs, its time included: a receipt is as old as the last
+    # full converge that vouched for the host.
+    changed = bool(differs) or old.get("notices", []) != p["notices"] or old.get("inputs") != p["inputs"]
     if changed and not module.check_mode:
         atomic_file.write_atomically(p["path"], text, 0o600)
     module.exit_json(changed=changed, current=True, differs=differs, notices=p["notices"], written_at=written_at)
