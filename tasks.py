@@ -422,16 +422,35 @@ def vllm_venv(c):
 @task(help={"k": "pytest -k expression", "args": "extra pytest arguments",
             "workers": "pytest-xdist workers (default 2; 0 = one process). Tests that share a lab, or a "
                        "module's fixtures, stay on one worker (tests/conftest.py: xdist_group_of)",
-            "drills": "also run the long lab drills (pytest marker 'drill'), left out by default"})
-def test(c, k="", args="", workers=2, drills=False):
-    """The whole test suite: lint, unit tests, real vLLM tests and the lab tests (what CI runs)."""
+            "drills": "also run the long lab drills (pytest marker 'drill'), left out by default",
+            "quick": "the inner loop: lint, then every test that needs no lab host (no lab is booted)"})
+def test(c, k="", args="", workers=2, drills=False, quick=False):
+    """The whole test suite: lint, unit tests, real vLLM tests and the lab tests (what CI runs).
+
+    Every run records each test's time (.cache/test-times/, `invoke test-times`)."""
+    if quick:
+        lint(c)
     vllm_venv(c)
-    lab_model(c)
-    selection = (f"-k '{k}'" if k else "") + ("" if drills else " -m 'not drill'")
+    if not quick:
+        lab_model(c)
+    selection = (f"-k '{k}'" if k else "") + ("" if drills else " -m 'not drill'") + (" --no-lab" if quick else "")
     # Two workers: the session lab's tests (the longest chain) run beside everything else; the caches
     # above are built before the workers start, so they never race for them.
-    parallel = f"-n {int(workers)} --dist loadgroup --no-loadscope-reorder" if int(workers) > 1 else ""
+    parallel = f"-n {int(workers)} --dist loadgroup --no-loadscope-reorder" if int(workers) > 1 else "-n 0"
     c.run(f"{ROOT}/.venv/bin/pytest -ra --durations=40 {parallel} {selection} {args}", pty=False)
+
+
+@task(name="test-times", help={"file": "a run's record (default: the last run, .cache/test-times/last.json)",
+                               "top": "how many of the slowest tests to list"})
+def test_times(c, file="", top=15):
+    """The slowest tests and the total per group of a test run (every `invoke test` writes the record)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import run_times
+
+    path = Path(file) if file else run_times.TIMES_DIR / "last.json"
+    if not path.exists():
+        raise Exit(f"test-times: no record at {path} (run `invoke test` first)", code=2)
+    print(run_times.summary(json.loads(path.read_text()), int(top)))
 
 
 LAB_WAIVERS = ROOT / "inventory" / "lab-waivers.json"
@@ -561,6 +580,7 @@ def bench_nccl(c, args=""):
 ns.add_task(lint)
 ns.add_task(vllm_venv)
 ns.add_task(test)
+ns.add_task(test_times)
 ns.add_task(demo)
 ns.add_task(bench)
 ns.add_task(bench_vllm)

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "collections"))  # the collection's module_utils (ansible_collections.gptoss.host)
 
+import run_times  # noqa: E402
 from ansible_collections.gptoss.host.plugins.module_utils.verify_contract import CONTRACT, NONE  # noqa: E402
 
 from lab import nspawn  # noqa: E402
@@ -48,11 +49,19 @@ TRIXIE_LAB_FIXTURES = {"trixie_lab", "trixie_converged"}
 # Modules that need only a converged bookworm lab, none of the fresh-host steps: a second group, so
 # that a second worker can run them on a lab of its own beside the first (the longest chain).
 SECOND_BOOKWORM_LAB_MODULES = {"test_failpaths_lab", "test_faults", "test_verify_lab", "test_replicas_lab"}
-# The upgrade drill builds two more venvs and restarts vLLM a handful of times: a third group.
-THIRD_BOOKWORM_LAB_MODULES = {"test_upgrade_lab"}
+# The upgrade drill builds two more venvs and restarts vLLM a handful of times: a third group; the
+# switches (issue 27: every switch on, then off, then the lab put back) run there before it.
+THIRD_BOOKWORM_LAB_MODULES = {"test_upgrade_lab", "test_switches_lab"}
 # Longest chains first: the scheduler hands groups out in this order, one to each free worker.
 GROUP_ORDER = ["lab-bookworm", "lab-bookworm-b", "lab-bookworm-c", "lab-trixie", "lab-bare-bookworm",
                "lab-bare-trixie"]
+
+
+RUN_TIMES = pytest.StashKey[run_times.RunTimes]()
+# The reports reach pytest_runtest_logreport without the config: the times object is kept here too.
+TIMES_OF: dict[str, run_times.RunTimes] = {}
+# Groups of a run without xdist (under xdist the workers write them to groups_file).
+GROUPS_SEEN: dict[str, str] = {}
 
 
 def xdist_group_of(item: pytest.Item) -> str:
@@ -85,7 +94,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     which pytest 9 no longer lets a plugin do (the id is structured now), so every test would be spread
     alone. The group is therefore handed over in a file: a worker writes it after collection, and the
     scheduler below (`pytest_xdist_make_scheduler`) reads it when it splits the collection."""
+    if config.getoption("no_lab"):  # invoke test --quick: only what needs no lab host
+        lab_items = [item for item in items if xdist_group_of(item).startswith("lab-")]
+        if lab_items:
+            config.hook.pytest_deselected(items=lab_items)
+            items[:] = [item for item in items if item not in lab_items]
     groups = {item.nodeid: xdist_group_of(item) for item in items}
+    GROUPS_SEEN.update(groups)
 
     def rank(item: pytest.Item) -> int:
         group = groups[item.nodeid]
@@ -117,9 +132,33 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return None
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        groups_file(os.getpid()).unlink(missing_ok=True)
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--no-lab", action="store_true", dest="no_lab",
+                     help="leave out every test that needs a lab host (invoke test --quick)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller (or the one process) keeps the times
+        config.stash[RUN_TIMES] = TIMES_OF["run"] = run_times.RunTimes()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    times = TIMES_OF.get("run")
+    if times is not None:
+        times.add(report.nodeid, report.when, report.duration, report.outcome)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    groups_path = groups_file(os.getpid())
+    groups = json.loads(groups_path.read_text()) if groups_path.exists() else GROUPS_SEEN
+    groups_path.unlink(missing_ok=True)
+    times = session.config.stash.get(RUN_TIMES, None)
+    if times is not None and times.seconds:
+        workers = session.config.getoption("numprocesses", None) or 0
+        written = times.write(times.record(groups, session.config.invocation_params.args, int(exitstatus), workers))
+        print(f"\n[test-times] {written} (invoke test-times)")
 
 
 def contract_record(role: str, **values) -> dict:
