@@ -9,9 +9,12 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+import socket
 import subprocess
+import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -21,6 +24,7 @@ from typing import Any
 
 from ansible_collections.gptoss.host.plugins.module_utils import (
     kernel_flags,
+    listening_sockets,
     mountinfo,
     unit_inputs,
     venv_store,
@@ -808,6 +812,162 @@ def check_webui(ctx: Context) -> CheckResult:
                        "" if ok else f"{want!r} not listed by the UI (upstream unreachable or key refused?)")
 
 
+# ------------------------------------------------------------------ network exposure (issue 27)
+
+
+def cgroup2_root(mountinfo_path: Path = Path("/proc/self/mountinfo")) -> Path | None:
+    """Where the cgroup2 hierarchy is mounted: /sys/fs/cgroup (unified), /sys/fs/cgroup/unified (hybrid)."""
+    try:
+        mounts = mountinfo.parse(mountinfo_path.read_text())
+    except OSError:
+        return None
+    return next((Path(m["mount_point"]) for m in mounts if m["fstype"] == "cgroup2"), None)
+
+
+def unit_pids(main_pid: int, unit: str, proc: Path = Path("/proc"), cgroup_root: Path | None = None) -> list[int]:
+    """Every process of the unit: the unit's cgroup (v2, sub-cgroups included) found from MainPID, so a
+    process that left the tree is still seen; the MainPID process tree where MainPID is not in a cgroup
+    of that unit's name (no systemd) or the cgroup cannot be read."""
+    cgroup_root = cgroup_root or cgroup2_root() or Path("/sys/fs/cgroup")
+    try:
+        lines = (proc / str(main_pid) / "cgroup").read_text().splitlines()
+        path = next(line.split(":", 2)[2] for line in lines if line.startswith("0::"))
+        if unit not in path.split("/"):
+            raise LookupError(path)
+        # 0: a process of another PID namespace in the same cgroup (labs sharing one hybrid hierarchy).
+        pids = {int(pid) for procs in (cgroup_root / path.lstrip("/")).rglob("cgroup.procs")
+                for pid in procs.read_text().split() if pid != "0"}
+    except (OSError, StopIteration, ValueError, LookupError):
+        pids = set()
+    return sorted(pids) if main_pid in pids else process_tree(main_pid, proc)
+
+
+def _resolve(host: str) -> set[str]:
+    try:
+        return {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)} | {host}
+    except OSError:
+        return {host}
+
+
+def _listing(items: list[listening_sockets.Listener]) -> str:
+    """'tcp 127.0.0.1: 33015,41237 (VLLM::Worker)' per protocol, address and command."""
+    groups: dict[tuple[str, str, str], list[int]] = {}
+    for item in items:
+        groups.setdefault((item.proto.rstrip("6"), item.address, item.comm), []).append(item.port)
+    return "; ".join(f"{proto} {address}: {','.join(map(str, sorted(ports)))} ({comm})"
+                     for (proto, address, comm), ports in sorted(groups.items()))
+
+
+def check_listening_sockets(ctx: Context) -> CheckResult:
+    """Every listening socket (TCP and UDP) of the unit's processes, from /proc: only the API may be
+    reachable beyond loopback; vLLM's internal traffic (gloo, stores, NCCL bootstrap) stays on loopback
+    and, where the service address is a loopback address of its own (the lab), off that address."""
+    cid, title = "NET-001", "vLLM listens beyond loopback only on its API port"
+    url = urllib.parse.urlsplit(str(ctx.role("vllm_service").get("base_url", "http://127.0.0.1:8000")))
+    host, port = url.hostname or "127.0.0.1", url.port or 80
+    expected = f"API tcp {host}:{port}; every other listening socket on loopback, none on {host}" if \
+        host not in listening_sockets.INTERNAL_LOOPBACK else f"API tcp {host}:{port}; every other socket on loopback"
+    try:
+        pids = unit_pids(ctx.main_pid(), ctx.unit)
+    except (RuntimeError, LookupError) as err:
+        return CheckResult(cid, title, "error" if isinstance(err, RuntimeError) else "fail", expected, "", str(err))
+    listeners, unreadable = listening_sockets.listeners_of(pids)
+    api, offenders = listening_sockets.judge(listeners, _resolve(host), port)
+    problems = listening_sockets.describe(offenders)
+    if not api:
+        problems.insert(0, f"nothing of {ctx.unit} listens on the API address {host}:{port}")
+    others = [item for item in listeners if item not in api]
+    found = (f"{len(pids)} process(es); API: {_listing(api) or 'none'}; "
+             f"{len(others)} other: {_listing(others) or 'none'}")
+    note = f"; not readable (gone?): PID {','.join(map(str, unreadable))}" if unreadable else ""
+    return CheckResult(cid, title, "fail" if problems else "pass", expected, found,
+                       ("; ".join(problems[:8]) + (f" (+{len(problems) - 8} more)" if len(problems) > 8 else "")
+                        + note).lstrip("; "))
+
+
+# The probe the transient units run: exit 0 connected, 3 refused (errno printed), 4 timed out.
+FIREWALL_PROBE = """import socket, sys
+try:
+    socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=float(sys.argv[2])).close()
+except socket.timeout:
+    sys.exit(4)
+except OSError as err:
+    print(f"{type(err).__name__} errno {err.errno}: {err.strerror}")
+    sys.exit(3)
+"""
+FIREWALL_PROBE_TIMEOUT_S = 3.0
+
+
+def _transient_probe(listener: socket.socket, properties: list[str]) -> tuple[int, str, bool]:
+    """(exit status, output, whether the listener received a connection) of one throwaway unit
+    that tries to connect to `listener`; the unit is collected whatever happens."""
+    port = listener.getsockname()[1]
+    argv = ["systemd-run", "--wait", "--pipe", "--quiet", "--collect",
+            *[f"--property={p}" for p in properties], "--", sys.executable, "-c", FIREWALL_PROBE,
+            str(port), str(FIREWALL_PROBE_TIMEOUT_S)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=SYSTEMCTL_TIMEOUT_S + 10,
+                          stdin=subprocess.DEVNULL, check=False)
+    received = False
+    try:
+        while True:
+            listener.accept()[0].close()
+            received = True
+    except BlockingIOError:
+        pass
+    return proc.returncode, (proc.stdout + proc.stderr).strip(), received
+
+
+def _firewall_hint(ctx: Context) -> str:
+    """The likeliest cause, from live state: systemd's firewall needs its own cgroup hierarchy on cgroup2
+    (systemd's bpf-firewall.c: "Not running with unified cgroup hierarchy, BPF firewalling is not supported")."""
+    try:
+        top = mountinfo.mount_at(ctx.mountinfo.read_text(), "/sys/fs/cgroup")
+    except OSError:
+        top = None
+    try:
+        virt = subprocess.run(["systemd-detect-virt", "--container"], capture_output=True, text=True,
+                              timeout=10, check=False).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        virt = ""
+    where = f"container: {virt}" if virt and virt != "none" else "not a container"
+    if top is not None and top["fstype"] != "cgroup2":
+        return (f"/sys/fs/cgroup is {top['fstype']}, not cgroup2: systemd runs on the legacy or hybrid cgroup "
+                f"hierarchy, where it has no BPF firewall ({where})")
+    return (f"/sys/fs/cgroup is cgroup2, so the kernel refused systemd's cgroup BPF program "
+            f"(no CONFIG_CGROUP_BPF, or no privilege to load it; {where})")
+
+
+def check_ip_firewall(ctx: Context) -> CheckResult:
+    """Whether systemd's IP firewall (IPAddressDeny=, a BPF program on the unit's cgroup) blocks on this
+    host: a throwaway unit without it must connect to a loopback listener of ours, one with
+    IPAddressDeny=any must not. Runs where the UI runs: its unit relies on IPAddressDeny=any."""
+    cid, title = "NET-002", "systemd's IPAddressDeny= really blocks (the UI's egress wall)"
+    expected = "a unit with IPAddressDeny=any cannot connect to 127.0.0.1; without it, it can"
+    if shutil.which("systemd-run") is None:
+        return CheckResult(cid, title, "error", expected, "", "systemd-run not found")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        listener.setblocking(False)
+        try:
+            control = _transient_probe(listener, [])
+            denied = _transient_probe(listener, ["IPAddressDeny=any"])
+        except (OSError, subprocess.TimeoutExpired) as err:
+            return CheckResult(cid, title, "error", expected, "", f"systemd-run: {err}")
+    if control[0] != 0 or not control[2]:
+        return CheckResult(cid, title, "error", expected, f"control unit: exit {control[0]}",
+                           f"the probe did not connect even without IPAddressDeny, so it proves nothing: "
+                           f"{control[1][-300:] or 'no output'}")
+    if denied[0] == 0 or denied[2]:
+        return CheckResult(cid, title, "fail", expected, "connected under IPAddressDeny=any",
+                           "not enforced on this host: systemd attached no BPF IP filter to the unit (it says why "
+                           f"only at debug level); {_firewall_hint(ctx)}; so IPAddressDeny=/IPAddressAllow= of "
+                           "gptoss-webui.service are not in force here")
+    how = {3: denied[1] or "refused", 4: f"no answer within {FIREWALL_PROBE_TIMEOUT_S:g} s"}.get(
+        denied[0], f"exit {denied[0]}: {denied[1][-200:]}")
+    return CheckResult(cid, title, "pass", expected, f"control connected; denied unit: {how}", "")
+
+
 # ------------------------------------------------------------------ registry
 
 # (id, title, role file that must exist, check). Order is the report order.
@@ -835,6 +995,8 @@ CHECKS: list[tuple[str, str, str, Callable[[Context], CheckResult]]] = [
     ("MDL-001", "Weights are sound safetensors", "model_weights", check_model_weights),
     ("RTR-001", "Router lists every worker of the inventory", "router", check_router),
     ("WEB-001", "Open WebUI signs the admin in and lists the served model", "webui", check_webui),
+    ("NET-001", "vLLM listens beyond loopback only on its API port", "vllm_service", check_listening_sockets),
+    ("NET-002", "systemd's IPAddressDeny= really blocks (the UI's egress wall)", "webui", check_ip_firewall),
 ]
 CHECK_IDS = [cid for cid, _, _, _ in CHECKS]
 

@@ -58,10 +58,10 @@ CONTRACT: dict[str, dict[str, Key]] = {
         "p2p_reason": Key((str,), "why NCCL_P2P_DISABLE is what it is, shown with ENV-001"),
     },
     "vllm_service": {
-        "unit": Key((str,), "the systemd unit (SVC-001..004, ENV-001)"),
+        "unit": Key((str,), "the systemd unit (SVC-001..004, ENV-001, NET-001)"),
         "max_restarts": Key((int,), "restarts tolerated before SVC-002 fails"),
         "argv": Key((list,), "the command line the main process must have (SVC-003)"),
-        "base_url": Key((str,), "where the server listens (API-001..004, the rollout gate)"),
+        "base_url": Key((str,), "where the server listens (API-001..004, NET-001, the rollout gate)"),
         "served_model_name": Key((str,), "the model name /v1/models must list (API-002..004, the gate)"),
         "api_key_file": Key((str,), "root-only file with the key, '' = no key (API checks, the gate)"),
         "tool_calling": Key((bool,), "API-004 also sends a tool-definition request"),
