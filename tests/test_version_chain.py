@@ -311,13 +311,14 @@ def test_driver_requirement_of_a_cpu_build_is_the_floor():
 
 
 def test_the_gpu_default_pin_has_a_checked_chain_and_one_value_everywhere():
-    """The real-host pin (role default, argument_specs, the pyproject extra) is one version, and its
+    """The real-host pin (the build inputs' default, argument_specs, the pyproject extra) is one version, and its
     torch -> CUDA -> driver chain derives from that release's own captured metadata."""
     import tomllib
 
     import yaml
 
-    defaults = yaml.safe_load((ROOT / "roles/vllm_service/defaults/main.yml").read_text())
+    # The build inputs' one home (vllm_service and nvidia_driver read it through a lookup).
+    defaults = yaml.safe_load((ROOT / "collections/ansible_collections/gptoss/host/vars/vllm_build.yml").read_text())
     specs = yaml.safe_load((ROOT / "roles/vllm_service/meta/argument_specs.yml").read_text())
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["vllm"]
     pin = f"{defaults['vllm_service_package']}=={defaults['vllm_service_version']}"

@@ -57,7 +57,8 @@ def test_render_follows_the_flag_rules_in_insertion_order():
 
 
 def merge_through_the_role_filter(profile, override) -> subprocess.CompletedProcess:
-    """The expression rollout.yml and preflight.yml evaluate, evaluated by ansible itself."""
+    """The filter of the expression that validate.yml, rollout.yml and preflight.yml evaluate
+    (vllm_service/vars/main.yml, __vllm_service_merged_flags), evaluated by ansible itself."""
     from conftest import ROOT, VENV_BIN
     env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
            "ANSIBLE_LOCALHOST_WARNING": "0", "ANSIBLE_INVENTORY_UNPARSED_WARNING": "0",

@@ -48,6 +48,23 @@ def api_key_problem(key: str) -> str | None:
     return None
 
 
+# Off loopback the server is reachable from the network: /v1/* must then need a key of this length.
+MIN_EXPOSED_KEY_LENGTH = 16
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def exposure_problem(host: str, key: str) -> str | None:
+    """None when the server may listen on `host` with `key` ('' = none), else why not (never the key)."""
+    if is_loopback(host) or len(key) >= MIN_EXPOSED_KEY_LENGTH:
+        return None
+    have = "no key" if not key else f"a key of {len(key)} characters"
+    return (f"vllm_service_host={host} is not loopback: set vllm_service_api_key ({MIN_EXPOSED_KEY_LENGTH}+ "
+            f"characters, e.g. from ansible-vault; {have} given) so /v1/* is not open to the network")
+
+
 def secrets_file_text(key: str) -> str:
     """The secrets file for `key` ('' = no key). Raises ValueError with the rule for a refused key."""
     if not key:

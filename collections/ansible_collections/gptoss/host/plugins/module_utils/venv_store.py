@@ -138,3 +138,13 @@ def free_mib(path: str) -> int:
     while not os.path.exists(probe):
         probe = os.path.dirname(probe) or "/"
     return shutil.disk_usage(probe).free // (1 << 20)
+
+
+def space_problem(venvs_dir: str, min_free_mib: int, package: str, version: str) -> str | None:
+    """None when a new venv fits under `venvs_dir`, else the refusal (vllm_service_venv_min_free_gib)."""
+    free = free_mib(venvs_dir)
+    if free >= min_free_mib:
+        return None
+    return (f"{venvs_dir} has {free} MiB free, a {package} {version} venv needs {min_free_mib} MiB "
+            "(vllm_service_venv_min_free_gib); refused before building, nothing was changed. "
+            "Free space, or lower vllm_service_keep_venvs and converge once to prune.")

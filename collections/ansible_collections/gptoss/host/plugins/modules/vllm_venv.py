@@ -179,13 +179,10 @@ def main() -> None:
         module.exit_json(**point_new_host(module, result))
     if module.check_mode:
         module.exit_json(**dict(result, changed=True, msg=f"would build {path}"))
-    free = venv_store.free_mib(params["venvs_dir"])
-    if free < params["min_free_mib"]:
-        module.fail_json(msg=(f"vllm_venv: {params['venvs_dir']} has {free} MiB free, a {params['package']} "
-                              f"{params['version']} venv needs {params['min_free_mib']} MiB "
-                              "(vllm_service_venv_min_free_gib); refused before building, nothing was changed. "
-                              "Free space, or lower vllm_service_keep_venvs and converge once to prune."),
-                         **result)
+    problem = venv_store.space_problem(params["venvs_dir"], params["min_free_mib"], params["package"],
+                                       params["version"])
+    if problem:
+        module.fail_json(msg=f"vllm_venv: {problem}", **result)
     result["manifest"] = build(module, path, digest)
     module.exit_json(**point_new_host(module, dict(result, built=True, complete=True, changed=True)))
 
