@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.parse
 
 import pytest
 from conftest import ROOT, Lab, run_invoke
@@ -91,6 +92,56 @@ def test_stripped_nccl_variable_fails_only_the_env_check(lab: Lab):
         wait_until_serving(lab)
 
 
+def test_only_the_api_listens_on_the_service_address_and_a_hand_edit_is_caught_and_repaired(lab: Lab):
+    """Issue 27: vLLM's 13 gloo listeners sit on 127.0.0.1 (GLOO_SOCKET_IFNAME=lo from the profile), the API
+    alone on the lab's address. Without the variable (a hand edit of the unit) they go back to the address
+    the lab's hostname resolves to, its service address: NET-001 fails, and the next converge (the
+    receipt sees the unit changed) restores the unit."""
+    address = urllib.parse.urlsplit(lab.base_url).hostname
+    unit = "/etc/systemd/system/gptoss-vllm.service"
+    assert "Environment=GLOO_SOCKET_IFNAME=lo" in lab.sh(f"cat {unit}")
+    result = next(r for r in verify_local(lab, "--no-completion", "--only", "NET-001")[1]["results"])
+    assert result["status"] == "pass", result
+    assert f"API: tcp {address}: 8000 (python)" in result["found"] and "tcp 127.0.0.1: " in result["found"]
+    lab.sh(f"sed -i '/^Environment=GLOO_SOCKET_IFNAME=/d' {unit} && systemctl daemon-reload"
+           " && systemctl restart gptoss-vllm")
+    wait_until_serving(lab)
+    code, report = verify_local(lab, "--no-completion")
+    assert code == 1 and failing(report) == {"NET-001"}, report
+    reason = next(r for r in report["results"] if r["id"] == "NET-001")["reason"]
+    assert reason.startswith(f"tcp {address} ports ") and "VLLM::Worker): on the service address" in reason, reason
+    repaired = lab.play("site.yml")
+    assert repaired.rc == 0, repaired.output[-3000:]
+    assert "full converge: files:/etc/systemd/system" in repaired.output, repaired.output[:3000]
+    assert "Environment=GLOO_SOCKET_IFNAME=lo" in lab.sh(f"cat {unit}")
+    assert verify_local(lab, "--no-completion")[0] == 0
+
+
+FIREWALL_PROBE = ("cd /opt/gptoss/lib && python3 -c 'import json; from service.host import checks; "
+                  "print(json.dumps(checks.check_ip_firewall(checks.Context({})).to_dict()))'")
+
+
+def test_ip_firewall_probe_tells_the_truth_about_the_labs_systemd(lab: Lab):
+    """NET-002 on real systemd: a transient unit with IPAddressDeny=any. The lab's systemd runs on a hybrid
+    cgroup hierarchy (no systemd on the controller), where systemd has no BPF firewall: not enforced, and
+    said so; the lab waives it. On a unified hierarchy the same probe must pass."""
+    unified = lab.sh("stat -fc %T /sys/fs/cgroup").strip() == "cgroup2fs"
+    result = json.loads(lab.sh(FIREWALL_PROBE))
+    if unified:
+        assert result["status"] == "pass", result
+        return
+    assert result["status"] == "fail" and result["found"] == "connected under IPAddressDeny=any", result
+    assert "/sys/fs/cgroup is tmpfs, not cgroup2" in result["reason"]
+    # Through verify where the UI's record is (NET-002 runs only there), with the lab's waivers: waived.
+    lab.sh("rm -rf /tmp/net002.d && cp -a /etc/gptoss/verify.d /tmp/net002.d && echo "
+           "'{\"base_url\": \"http://127.0.0.1:8080\", \"secrets_file\": \"/nonexistent\"}' > /tmp/net002.d/webui.json")
+    try:
+        code, report = verify_local(lab, "--config-dir", "/tmp/net002.d", "--only", "NET-002")
+        assert code == 0 and statuses(report) == {"NET-002": "waived"}, report
+    finally:
+        lab.sh("rm -rf /tmp/net002.d")
+
+
 def test_stopped_unit_fails_the_service_checks_only(lab: Lab):
     lab.sh("systemctl stop gptoss-vllm")
     try:
@@ -100,7 +151,7 @@ def test_stopped_unit_fails_the_service_checks_only(lab: Lab):
         assert "SVC-001" in bad and "API-001" in bad
         # Everything not about the running server still passes.
         assert bad <= {"SVC-001", "SVC-003", "SVC-004", "SVC-005", "ENV-001",
-                       "API-001", "API-002", "API-003", "API-004"}, report
+                       "API-001", "API-002", "API-003", "API-004", "NET-001"}, report
         assert statuses(report)["MNT-001"] == "pass" and statuses(report)["MDL-001"] == "pass"
     finally:
         lab.sh("systemctl start gptoss-vllm")
