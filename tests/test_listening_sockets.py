@@ -266,11 +266,12 @@ def spans_hosts(flags: dict) -> bool:
 
 def test_single_host_profiles_keep_vllms_internal_traffic_on_loopback_and_others_do_not():
     import yaml
+    from ansible_collections.gptoss.host.plugins.module_utils.profile_flags import profile_flags
 
     profiles = yaml.safe_load(PROFILES_FILE.read_text())["vllm_service_profiles"]
     for name, profile in profiles.items():
         env = profile["env"]
-        if spans_hosts(profile["flags"]):
+        if spans_hosts(profile_flags(profile)):
             loopback = {k for k in (*LOOPBACK_ENV, "NCCL_SOCKET_IFNAME") if env.get(k) in ("127.0.0.1", "lo")}
             assert not loopback, f"{name} spans hosts: its ranks cannot meet on loopback ({loopback})"
             continue

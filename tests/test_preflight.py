@@ -22,9 +22,10 @@ GIB = 1024 ** 3
 
 def profile_flags(name: str) -> dict:
     import yaml
+    from ansible_collections.gptoss.host.plugins.module_utils.profile_flags import profile_flags
 
     profiles = yaml.safe_load((ROOT / "roles" / "vllm_service" / "vars" / "profiles.yml").read_text())
-    return profiles["vllm_service_profiles"][name]["flags"]
+    return profile_flags(profiles["vllm_service_profiles"][name])
 
 
 # ------------------------------------------------------------------ KV cache and memory fit

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ansible_collections.gptoss.host.plugins.module_utils.profile_flags import profile_flags
 from conftest import JsonHandler
 
 from service.venv.vllm_flags import render_argv
@@ -51,7 +52,7 @@ class VllmServer:
     def __init__(self, model: Path, log: Path, api_key: str | None) -> None:
         profile = yaml.safe_load((REPO / "roles/vllm_service/vars/profiles.yml").read_text())
         cpu_lab = profile["vllm_service_profiles"]["cpu-lab"]
-        flags = {"model": str(model), "host": "127.0.0.1", "port": PORT, **cpu_lab["flags"]}
+        flags = {"model": str(model), "host": "127.0.0.1", "port": PORT, **profile_flags(cpu_lab)}
         env = {**os.environ, **cpu_lab["env"]}
         if api_key:
             env["VLLM_API_KEY"] = api_key

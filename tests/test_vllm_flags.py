@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ansible_collections.gptoss.host.plugins.module_utils.profile_flags import profile_flags
 
 from service.venv.vllm_flags import FlagError, render_argv
 
@@ -30,7 +32,9 @@ needs_vllm = pytest.mark.skipif(
 
 
 def load_profiles() -> dict:
-    return yaml.safe_load(PROFILES_FILE.read_text())["vllm_service_profiles"]
+    """Each profile with `flags` as the role gives them (base_flags applied: module_utils/profile_flags)."""
+    profiles = yaml.safe_load(PROFILES_FILE.read_text())["vllm_service_profiles"]
+    return {name: {**profile, "flags": profile_flags(profile)} for name, profile in profiles.items()}
 
 
 # ---------------------------------------------------------------- rendering (no vLLM needed)
@@ -66,7 +70,7 @@ def merge_through_the_role_filter(profile, override) -> subprocess.CompletedProc
     return subprocess.run(
         [str(VENV_BIN / "ansible"), "localhost", "-i", "localhost,", "-c", "local",
          "-e", json.dumps({"profile": profile, "override": override}), "-m", "ansible.builtin.debug",
-         "-a", "msg={{ profile | gptoss.host.merge_profile_flags(override) | to_json }}"],
+         "-a", "msg={{ profile | gptoss.host.profile_flags(override) | to_json }}"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -74,7 +78,7 @@ def test_override_replaces_null_removes_and_the_order_is_kept_in_the_role_filter
     profile = {"block-size": 16, "max-model-len": 32768, "kv-cache-dtype": "auto",
                "compilation-config": {"mode": 0, "cudagraph_capture_sizes": [1, 2]}}
     override = {"block-size": None, "max-model-len": 8192, "compilation-config": {"mode": 3}, "max-num-seqs": 4}
-    proc = merge_through_the_role_filter(profile, override)
+    proc = merge_through_the_role_filter({"flags": profile}, override)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     merged = json.loads(json.loads(proc.stdout.partition("=>")[2])["msg"])
     assert list(merged.items()) == [("max-model-len", 8192), ("kv-cache-dtype", "auto"),
@@ -84,7 +88,7 @@ def test_override_replaces_null_removes_and_the_order_is_kept_in_the_role_filter
 
 
 def test_an_override_that_is_not_a_mapping_is_refused_by_name():
-    proc = merge_through_the_role_filter({"block-size": 16}, ["max-num-seqs=4"])
+    proc = merge_through_the_role_filter({"flags": {"block-size": 16}}, ["max-num-seqs=4"])
     assert proc.returncode != 0
     assert "vllm_service_flags_override must be a mapping of flag name -> value, got list" in proc.stdout + proc.stderr
 
@@ -100,9 +104,8 @@ def test_flag_error_text_starts_with_the_flag():
 
 def test_profiles_have_the_documented_shape_and_leave_out_injected_flags():
     profiles = load_profiles()
-    assert set(profiles) == {"4090d-x2", "4090d-dp2", "4090d-tp1x2", "cpu-lab", "cpu-lab-x2"}
     for name, profile in profiles.items():
-        assert set(profile) - {"instances"} == {"description", "flags", "env"}, name
+        assert set(profile) - {"instances", "base_flags"} == {"description", "flags", "env"}, name
         assert not {"model", "host", "port", "api-key"} & set(profile["flags"]), name
         assert all(isinstance(v, str) for v in profile["env"].values()), name
     x2, dp2 = profiles["4090d-x2"]["flags"], profiles["4090d-dp2"]["flags"]
@@ -121,6 +124,41 @@ def test_profiles_have_the_documented_shape_and_leave_out_injected_flags():
     lab_x2 = profiles["cpu-lab-x2"]
     assert lab_x2["flags"] == profiles["cpu-lab"]["flags"] and lab_x2["env"] == profiles["cpu-lab"]["env"]
     assert len({i["port"] for i in lab_x2["instances"]}) == len({i["name"] for i in lab_x2["instances"]}) == 2
+
+
+def test_a_profile_applies_its_flags_to_its_base_in_place_and_the_override_last():
+    base = {"served-model-name": "m", "tensor-parallel-size": 1, "data-parallel-size": None, "block-size": 16}
+    assert list(profile_flags({"base_flags": base, "flags": {"data-parallel-size": 2}}).items()) == [
+        ("served-model-name", "m"), ("tensor-parallel-size", 1), ("data-parallel-size", 2), ("block-size", 16)]
+    assert list(profile_flags({"base_flags": base, "flags": {"tensor-parallel-size": 2}},
+                              {"block-size": None, "max-num-seqs": 4}).items()) == [
+        ("served-model-name", "m"), ("tensor-parallel-size", 2), ("max-num-seqs", 4)]
+    assert profile_flags({"flags": {"block-size": 16}}) == {"block-size": 16}
+    with pytest.raises(ValueError, match="the profile's flags must be a mapping"):
+        profile_flags({"flags": ["block-size"]})
+
+
+def test_profile_names_have_one_home_that_the_argument_spec_the_default_and_validate_use():
+    """vars/profiles.yml's keys are the names: the argument spec keeps no choices list of its own, its
+    default and the role default are profile names, and validate.yml refuses by the same mapping."""
+    names = set(load_profiles())
+    role = REPO / "roles" / "vllm_service"
+    specs = yaml.safe_load((role / "meta" / "argument_specs.yml").read_text())["argument_specs"]
+    for entry, spec in specs.items():
+        option = spec["options"]["vllm_service_profile"]
+        assert "choices" not in option, f"{entry}: a second list of profile names"
+        assert option["default"] in names, entry
+    assert yaml.safe_load((role / "defaults" / "main.yml").read_text())["vllm_service_profile"] in names
+    validate = yaml.safe_load((role / "tasks" / "validate.yml").read_text())[0]["block"]
+    asserts = [t["ansible.builtin.assert"] for t in validate if "ansible.builtin.assert" in t]
+    assert any(a["that"] == "vllm_service_profile in vllm_service_profiles" for a in asserts)
+    loads = [t["ansible.builtin.include_vars"]["file"] for t in validate if "ansible.builtin.include_vars" in t]
+    assert loads == ["profiles.yml"]
+    # No file of the role spells the list out again.
+    for path in role.rglob("*.yml"):
+        if path.name != "profiles.yml":
+            named = {n for n in names if re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", path.read_text())}
+            assert len(named) <= 1, f"{path} names several profiles: {sorted(named)}"
 
 
 def test_render_cli_injects_model_host_port_first(tmp_path):

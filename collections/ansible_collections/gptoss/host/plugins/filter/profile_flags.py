@@ -1,18 +1,19 @@
-"""Filter gptoss.host.merge_profile_flags: module_utils/profile_flags.merge_flags for the roles' YAML."""
+"""Filter gptoss.host.profile_flags: module_utils/profile_flags.profile_flags for the roles' YAML."""
 
 from __future__ import annotations
 
 from ansible.errors import AnsibleFilterError
-from ansible_collections.gptoss.host.plugins.module_utils.profile_flags import ProfileFlagsError, merge_flags
+from ansible_collections.gptoss.host.plugins.module_utils.profile_flags import ProfileFlagsError
+from ansible_collections.gptoss.host.plugins.module_utils.profile_flags import profile_flags as _profile_flags
 
 
-def merge_profile_flags(profile_flags, override=None):
+def profile_flags(profile, override=None):
     try:
-        return merge_flags(profile_flags, override)
+        return _profile_flags(profile, override)
     except ProfileFlagsError as exc:
         raise AnsibleFilterError(str(exc)) from None
 
 
 class FilterModule:
     def filters(self):
-        return {"merge_profile_flags": merge_profile_flags}
+        return {"profile_flags": profile_flags}
