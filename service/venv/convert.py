@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ansible_collections.gptoss.host.plugins.module_utils import atomic_file
 from service.host.safetensors_check import (
     INDEX_NAME,
     SafetensorsFormatError,
@@ -219,14 +220,6 @@ def _check_abort(abort: threading.Event | None) -> None:
         raise _Aborted
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _temp_path(final: Path) -> Path:
     return final.with_name(f".{final.name}.tmp-{os.getpid()}")
 
@@ -250,7 +243,7 @@ def remove_stale_temp_files(model_dir: Path) -> list[Path]:
             path.unlink()
             removed.append(path)
     if removed:
-        _fsync_dir(model_dir)
+        atomic_file.fsync_dir(model_dir)
     return removed
 
 
@@ -694,13 +687,7 @@ def publish_shard(temp: Path, shard: SourceShard, plan: ShardPlan, model_dir: Pa
     with _temp_removed_on_error(temp, final):
         verify_shard_file(temp, plan, shard.path, progress, f"verify {shard.output_name[:20]}")
         _check_abort(abort)  # another job failed or SIGTERM came: publish nothing more
-        fd = os.open(temp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(temp, final)
-        _fsync_dir(model_dir)
+        atomic_file.publish(temp, final)
 
 
 def remove_own_temp_files(model_dir: Path) -> None:
@@ -787,7 +774,7 @@ def verify_existing_shard(shard: SourceShard, model_dir: Path, progress: Progres
         # never delete them, and convert the shard again from its source.
         damaged = final.with_name(final.name + ".damaged")
         os.replace(final, damaged)
-        _fsync_dir(model_dir)
+        atomic_file.fsync_dir(model_dir)
         print(f"warning: {final}: unreadable ({exc}); moved to {damaged.name}, converting again", file=sys.stderr)
         return None
     if owner is None:
@@ -803,7 +790,7 @@ def verify_existing_shard(shard: SourceShard, model_dir: Path, progress: Progres
     except ConversionError as exc:
         print(f"warning: {exc}; rewriting it", file=sys.stderr)
         final.unlink()
-        _fsync_dir(model_dir)
+        atomic_file.fsync_dir(model_dir)
         return None
     return plan.aliases
 
@@ -827,17 +814,8 @@ def build_index(shards: list[SourceShard], aliases_by_shard: list[dict[str, str]
 
 
 def write_text_atomically(path: Path, text: str) -> None:
-    temp = _temp_path(path)
-    try:
-        with temp.open("x", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-        _fsync_dir(path.parent)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
+    """Through our temp name (.NAME.tmp-PID, which a later run recognises and removes), the folder fsynced."""
+    atomic_file.write_atomically(path, text, temp=_temp_path(path), sync_dir=True)
 
 
 def ensure_free_space(model_dir: Path, pending: list[SourceShard]) -> None:
@@ -908,7 +886,7 @@ def delete_originals(model_dir: Path, shards: list[SourceShard]) -> None:
     for shard in shards:
         shard.path.unlink(missing_ok=True)
     (model_dir / BIN_INDEX_NAME).unlink(missing_ok=True)
-    _fsync_dir(model_dir)
+    atomic_file.fsync_dir(model_dir)
 
 
 def convert_model(model_dir: Path, *, check: bool, delete: bool, show_progress: bool,

@@ -33,6 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from ansible_collections.gptoss.host.plugins.module_utils import atomic_file
+
 MARKER = ".gptoss-fetch.json"
 CHUNK = 1 << 20
 # Room kept free on the target's file system beyond the files themselves (journal, logs, the
@@ -333,7 +335,7 @@ def switch_in(staging: Path, target: Path, ident: str, revision: str) -> None:
     (staging / MARKER).write_text(json.dumps({"manifest_id": ident, "revision": revision}) + "\n")
     for path in [staging, *staging.rglob("*")]:
         os.chmod(path, 0o755 if path.is_dir() else 0o644)
-    fsync_dir(staging)
+    atomic_file.fsync_dir(staging)
     if not target.exists():
         os.rename(staging, target)
     else:
@@ -348,15 +350,9 @@ def switch_in(staging: Path, target: Path, ident: str, revision: str) -> None:
             os.rename(staging, target)
             staging = old
         shutil.rmtree(staging)  # now the previous folder
-    fsync_dir(target.parent)
+    atomic_file.fsync_dir(target.parent)
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def human(size: float) -> str:

@@ -14,6 +14,8 @@ import os
 import re
 import shutil
 
+from ansible_collections.gptoss.host.plugins.module_utils import atomic_file
+
 # Written last by the builder: a venv without it is half-built (a killed play) and is never used.
 MANIFEST = "gptoss-venv.json"
 
@@ -45,14 +47,8 @@ def read_manifest(venv: str) -> dict | None:
 
 
 def write_manifest(venv: str, manifest: dict) -> None:
-    path = os.path.join(venv, MANIFEST)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(manifest, handle, indent=2, sort_keys=True)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+    atomic_file.write_atomically(os.path.join(venv, MANIFEST), text, 0o644)
 
 
 def pointer_target(pointer: str) -> str | None:

@@ -42,10 +42,9 @@ backup_file: {description: Copy of the old fstab, type: str, returned: when chan
 """
 
 import os
-import tempfile
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.gptoss.host.plugins.module_utils import mountinfo
+from ansible_collections.gptoss.host.plugins.module_utils import atomic_file, mountinfo
 
 # The spellings of "no write barrier": the same alias rule verify (MNT-001) applies.
 BARRIER_OPTIONS = mountinfo.OPTION_ALIASES["nobarrier"]
@@ -93,27 +92,14 @@ def verify_tab_file(module: AnsibleModule, tab_file: str) -> None:
 
 
 def write_atomically(module: AnsibleModule, fstab: str, content: str) -> None:
-    directory = os.path.dirname(fstab) or "."
-    fd, tmp = tempfile.mkstemp(prefix=".fstab.", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(content)
-            handle.flush()
-            os.fsync(handle.fileno())
-        if os.path.exists(fstab):
-            stat = os.stat(fstab)
-            os.chmod(tmp, stat.st_mode & 0o7777)
-            os.chown(tmp, stat.st_uid, stat.st_gid)
-        verify_tab_file(module, tmp)
-        os.replace(tmp, fstab)
-        dir_fd = os.open(directory, os.O_DIRECTORY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    """The new fstab keeps the old one's mode and owner, passes `findmnt --verify` as the temporary
+    file, replaces the old one and the folder is fsynced (module_utils/atomic_file)."""
+    mode = owner = None
+    if os.path.exists(fstab):
+        stat = os.stat(fstab)
+        mode, owner = stat.st_mode & 0o7777, (stat.st_uid, stat.st_gid)
+    atomic_file.write_atomically(fstab, content, mode, owner=owner, sync_dir=True,
+                                 check=lambda tmp: verify_tab_file(module, tmp))
 
 
 def desired_line(params: dict) -> str:

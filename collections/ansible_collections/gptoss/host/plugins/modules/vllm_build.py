@@ -103,10 +103,10 @@ required_branch: {description: Branch to install (explicit or required_driver's)
 
 import json
 import os
-import tempfile
 import time
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.gptoss.host.plugins.module_utils import atomic_file
 from ansible_collections.gptoss.host.plugins.module_utils.version_chain import (
     ChainError,
     cache_key,
@@ -130,17 +130,8 @@ def read_cache(path: str, key: str) -> dict | None:
 
 def write_cache(path: str, key: str, chain: dict) -> None:
     """Atomic replace, so a killed run never leaves a half-written answer behind."""
-    directory = os.path.dirname(path)
-    os.makedirs(directory, mode=0o755, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".vllm-build.", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump({"key": key, "chain": chain}, handle, indent=1, sort_keys=True)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+    atomic_file.write_atomically(path, json.dumps({"key": key, "chain": chain}, indent=1, sort_keys=True), 0o644)
 
 
 def main() -> None:

@@ -109,12 +109,17 @@ import glob
 import json
 import os
 import shutil
-import tempfile
 import time
 from urllib.parse import urlparse
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.gptoss.host.plugins.module_utils import router_drain, unit_inputs, venv_store, verify_contract
+from ansible_collections.gptoss.host.plugins.module_utils import (
+    atomic_file,
+    router_drain,
+    unit_inputs,
+    venv_store,
+    verify_contract,
+)
 
 UNIT_DIR = "/etc/systemd/system"
 
@@ -241,20 +246,7 @@ class Transaction:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             return
-        directory = os.path.dirname(path)
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)
-        try:
-            os.fchmod(fd, mode)
-            os.fchown(fd, 0, 0)
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(content)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+        atomic_file.write_atomically(path, content, mode, owner_root=True, make_dirs=True)
 
     def prune_backups(self, path: str, secret: bool) -> list[str]:
         """Remove every backup of a secret file; keep the newest keep_backups of the others."""
