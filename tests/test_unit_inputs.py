@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -235,3 +236,46 @@ def test_first_step_names_every_problem_at_once_and_plans_the_venv(tmp_path: Pat
     assert [p.split(" ")[0] for p in problems] == ["vllm_service_host=0.0.0.0", "gptoss-vllm.service:"]
     problems, _, _ = vllm_inputs.problems_of(dict(params, version="0.32.0/../x"))
     assert any("not a package name and version usable in a path" in p for p in problems)
+
+
+# ------------------------------------------------------------------ the loopback rule and the exposed key, one home
+
+
+@pytest.mark.parametrize(("address", "loopback"), [
+    ("127.0.0.1", True), ("127.127.24.1", True), ("localhost", True), ("LOCALHOST", True), ("::1", True),
+    ("[::1]", True), ("::ffff:127.0.0.1", True), ("0:0:0:0:0:0:0:1", True), ("fe80::1%lo", False),
+    ("0.0.0.0", False), ("10.0.0.5", False), ("::", False), ("127.example.com", False), ("", False), (None, False),
+])
+def test_one_loopback_rule(address, loopback: bool):
+    from ansible_collections.gptoss.host.plugins.module_utils import listening_sockets, router_config
+    from ansible_collections.gptoss.host.plugins.module_utils import loopback as rule
+
+    assert rule.is_loopback(address) is loopback
+    # The users call that rule, not a copy of their own.
+    assert unit_inputs.is_loopback is listening_sockets.is_loopback is router_config.is_loopback is rule.is_loopback
+
+
+def test_the_roles_yaml_calls_the_rules_through_filters_and_spells_none_of_them():
+    """webui's listen address and the proxy's key, evaluated by ansible with the collection's filters;
+    no role's YAML carries a loopback pattern or the key's length of its own."""
+    from conftest import ROOT, VENV_BIN
+
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
+           "ANSIBLE_LOCALHOST_WARNING": "0", "ANSIBLE_INVENTORY_UNPARSED_WARNING": "0",
+           "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.minimal", "ANSIBLE_CALLBACK_RESULT_FORMAT": "json"}
+    expression = ("{{ {'hosts': hosts | map('gptoss.host.is_loopback') | list, "
+                  "'keys': keys | map('gptoss.host.exposed_key_problem') | list} | to_json }}")
+    variables = {"hosts": ["127.0.0.1", "localhost", "::1", "0.0.0.0", "127.example.com"],
+                 "keys": ["", "x" * 15, "x" * 16]}
+    proc = subprocess.run([str(VENV_BIN / "ansible"), "localhost", "-i", "localhost,", "-c", "local",
+                           "-e", json.dumps(variables), "-m", "ansible.builtin.debug", "-a", f"msg={expression}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    answer = json.loads(json.loads(proc.stdout.partition("=>")[2])["msg"])
+    assert answer["hosts"] == [True, True, True, False, False]
+    assert answer["keys"] == [unit_inputs.exposed_key_problem(""), unit_inputs.exposed_key_problem("x" * 15), None]
+    assert "no key given" in answer["keys"][0] and "a key of 15 characters given" in answer["keys"][1]
+    copies = re.compile(r"match\(['\"]\^?127|==\s*['\"](?:::1|localhost)['\"]|api_key[^\n]*length\s*>=")
+    offenders = [f"{p.relative_to(ROOT)}: {line.strip()}" for p in (ROOT / "roles").rglob("*.yml")
+                 for line in p.read_text().splitlines() if copies.search(line)]
+    assert offenders == []

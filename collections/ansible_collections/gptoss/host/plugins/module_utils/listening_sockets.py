@@ -16,10 +16,11 @@ the lab the service address is a 127.x address of its own that stands for a real
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 from dataclasses import dataclass
+
+from ansible_collections.gptoss.host.plugins.module_utils.loopback import is_loopback
 
 TABLES = ("tcp", "tcp6", "udp", "udp6")
 TCP_LISTEN = "0A"
@@ -132,13 +133,6 @@ def listeners_of(pids: list[int], proc: str = "/proc") -> tuple[list[Listener], 
                 item = tables[netns][inode]
                 found[inode] = Listener(item.proto, item.address, item.port, inode, pid, _comm(pid, proc))
     return sorted(found.values(), key=lambda s: (s.address, s.port, s.proto)), unreadable
-
-
-def is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(plain_address(address)).is_loopback
-    except ValueError:
-        return False
 
 
 def judge(listeners: list[Listener], service_addresses: set[str],

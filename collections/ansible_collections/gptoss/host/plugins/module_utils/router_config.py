@@ -12,6 +12,8 @@ import json
 import re
 from typing import Any
 
+from ansible_collections.gptoss.host.plugins.module_utils.loopback import is_loopback
+
 # Routing policies we let users pick. The installed vllm-router's own parser is the final judge
 # (the launcher's --check runs it before the config is written); this list only gives the early,
 # clear error for a typo in the inventory.
@@ -48,13 +50,6 @@ def _check_address(value: Any, what: str) -> str:
         return address
 
 
-def _is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address.strip("[]")).is_loopback
-    except ValueError:
-        return address == "localhost"
-
-
 def worker_urls(hosts: list[dict]) -> list[str]:
     """Every serving unit of every host, as the router's worker URLs, in inventory order.
 
@@ -70,7 +65,7 @@ def worker_urls(hosts: list[dict]) -> list[str]:
         name = str(host.get("name") or "?")
         address = _check_address(host.get("address"), f"host {name}")
         # A server bound to loopback answers only on its own host: a router elsewhere never reaches it.
-        if host.get("remote") and _is_loopback(address):
+        if host.get("remote") and is_loopback(address):
             raise RouterConfigError(f"host {name} serves on {address}, a loopback address, so the router on "
                                     "another host cannot reach it: set its vllm_service_host to a routable "
                                     "address (with an API key)")

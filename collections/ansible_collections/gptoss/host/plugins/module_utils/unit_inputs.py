@@ -20,6 +20,8 @@ import re
 import socket
 import subprocess
 
+from ansible_collections.gptoss.host.plugins.module_utils.loopback import is_loopback
+
 API_KEY_NAME = "VLLM_API_KEY"
 API_KEY_RULE = (
     "an API key must be printable ASCII (space to '~'), without a single quote ('), "
@@ -52,17 +54,19 @@ def api_key_problem(key: str) -> str | None:
 MIN_EXPOSED_KEY_LENGTH = 16
 
 
-def is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
+def exposed_key_problem(key: str) -> str | None:
+    """None when `key` ('' = none) may guard a server that the network reaches, else what to set (never
+    the key). The reverse proxy asks this through the filter gptoss.host.exposed_key_problem."""
+    if len(key) >= MIN_EXPOSED_KEY_LENGTH:
+        return None
+    have = "no key" if not key else f"a key of {len(key)} characters"
+    return f"set vllm_service_api_key ({MIN_EXPOSED_KEY_LENGTH}+ characters, e.g. from ansible-vault; {have} given)"
 
 
 def exposure_problem(host: str, key: str) -> str | None:
     """None when the server may listen on `host` with `key` ('' = none), else why not (never the key)."""
-    if is_loopback(host) or len(key) >= MIN_EXPOSED_KEY_LENGTH:
-        return None
-    have = "no key" if not key else f"a key of {len(key)} characters"
-    return (f"vllm_service_host={host} is not loopback: set vllm_service_api_key ({MIN_EXPOSED_KEY_LENGTH}+ "
-            f"characters, e.g. from ansible-vault; {have} given) so /v1/* is not open to the network")
+    problem = None if is_loopback(host) else exposed_key_problem(key)
+    return problem and f"vllm_service_host={host} is not loopback: {problem} so /v1/* is not open to the network"
 
 
 def secrets_file_text(key: str) -> str:
