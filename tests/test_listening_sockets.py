@@ -332,7 +332,7 @@ def test_net002_fails_when_a_denied_unit_still_connects_and_says_why(fake_system
     assert "/sys/fs/cgroup is tmpfs, not cgroup2: systemd runs on the legacy or hybrid cgroup hierarchy" \
         in result.reason
     unified = net002(tmp_path, "30 1 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw\n")
-    assert unified.status == "fail" and "/sys/fs/cgroup is cgroup2, so the kernel refused" in unified.reason
+    assert unified.status == "fail" and "/sys/fs/cgroup is cgroup2, yet systemd found no BPF firewall" in unified.reason
 
 
 def test_net002_passes_when_the_denied_unit_is_refused(fake_systemd_run, tmp_path):
