@@ -2,6 +2,7 @@
 
 service/host/  the host's system python3: stdlib, the collection's module_utils, service.host.
 service/venv/  a product venv's python: may also import what that venv holds, and service.host.
+module_utils/  everywhere (inside modules, beside service/): the standard library and each other only.
 controller/    the controller only: anything, and never shipped to a host.
 """
 
@@ -62,6 +63,60 @@ def test_host_code_needs_only_the_system_python(path: Path) -> None:
 @pytest.mark.parametrize("path", sorted((ROOT / "service" / "venv").glob("*.py")), ids=lambda p: p.name)
 def test_venv_code_needs_only_its_venv(path: Path) -> None:
     assert foreign_imports(path, ("service.host", "service.venv", MODULE_UTILS, "__future__"), VENV_PACKAGES) == []
+
+
+MODULE_UTILS_DIR = ROOT / "collections" / "ansible_collections" / "gptoss" / "host" / "plugins" / "module_utils"
+# Clients that one model source needs, imported lazily inside the function of that source only (the
+# model_weights role runs them where it installed them); never at import time.
+LAZY_SOURCE_CLIENTS = {"model_fetch.py": {"huggingface_hub", "modelscope"}}
+
+
+def module_utils_imports(path: Path) -> tuple[set[str], set[str]]:
+    """(module-level imports, imports inside functions) of a file, each as the absolute module names,
+    a sibling named as MODULE_UTILS.<name> also when it is imported as `from MODULE_UTILS import name`."""
+    tree = ast.parse(path.read_text(), str(path))
+    lazy_nodes = {id(inner) for node in ast.walk(tree) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+                  for inner in ast.walk(node)}
+    top: set[str] = set()
+    lazy: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = ({f"{node.module}.{alias.name}" for alias in node.names} if node.module == MODULE_UTILS
+                     else {node.module})
+        elif isinstance(node, ast.ImportFrom):
+            names = {f"<relative import level {node.level}>"}
+        else:
+            continue
+        (lazy if id(node) in lazy_nodes else top).update(names)
+    return top, lazy
+
+
+@pytest.mark.parametrize("path", sorted(MODULE_UTILS_DIR.glob("*.py")), ids=lambda p: p.name)
+def test_module_utils_need_only_the_standard_library_and_each_other(path: Path) -> None:
+    """module_utils run inside every module (AnsiballZ) and on the host's system python3 beside
+    service/: the standard library and sibling module_utils only (docs/design.md, "Layout by runtime")."""
+    siblings = {f"{MODULE_UTILS}.{p.stem}" for p in MODULE_UTILS_DIR.glob("*.py")}
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    top, lazy = module_utils_imports(path)
+
+    def foreign(names: set[str], allowed_top: set[str]) -> list[str]:
+        return sorted(n for n in names if n.split(".")[0] not in stdlib | allowed_top
+                      and not any(n == s or n.startswith(s + ".") for s in siblings))
+
+    assert foreign(top, set()) == []
+    assert foreign(lazy, LAZY_SOURCE_CLIENTS.get(path.name, set())) == []
+
+
+def test_the_module_utils_rule_catches_a_foreign_import(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text(f"import yaml\nfrom {MODULE_UTILS} import nonexistent\nfrom ansible.module_utils.basic import X\n"
+                   "def f():\n    import requests\n")
+    top, lazy = module_utils_imports(bad)
+    assert top == {"yaml", f"{MODULE_UTILS}.nonexistent", "ansible.module_utils.basic"} and lazy == {"requests"}
+    with pytest.raises(AssertionError):
+        test_module_utils_need_only_the_standard_library_and_each_other(bad)
 
 
 def test_nothing_shipped_to_a_host_imports_controller_code() -> None:
