@@ -112,6 +112,18 @@ def test_refusals_without_login_and_with_a_wrong_password(proxy):
     assert call(f"{url}/v1/models", context, token=API_KEY)[0] == 200
 
 
+def test_health_through_the_proxy_is_vllms_and_metrics_are_not_published(proxy):
+    """With the UI under /, /health is still vLLM's own (an empty 200), never the UI's {"status":true};
+    /metrics is not published through the proxy (404), never the UI's page."""
+    url, context = proxy
+    with urllib.request.urlopen(f"{url}/health", timeout=30, context=context) as response:
+        assert response.status == 200 and response.read() == b""
+    for path in ("/metrics", "/metrics/"):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{url}{path}", timeout=30, context=context)
+        assert refused.value.code == 404
+
+
 def test_verify_web_001_passes(lab: Lab, webui):
     proc = lab.ssh("cd /opt/gptoss/lib && python3 -m service.host.verify --json --only WEB-001", check=False)
     result = json.loads(proc.stdout)["results"][0]
@@ -212,7 +224,8 @@ def test_a_new_api_key_restarts_the_ui_which_then_reaches_vllm_with_it(lab: Lab,
 
 def test_turning_the_ui_off_removes_it_and_keeps_its_data(lab: Lab, webui):
     """webui_enabled back to false (the lab's default): the unit, venv, secrets, key stamp and verify
-    record go; the data folder (accounts, chats) stays; the same play again changes nothing."""
+    record go; the data folder (accounts, chats) stays; the proxy (off by default too) goes; the same
+    play again changes nothing."""
     databases = "cd /var/lib/gptoss-webui && find . -type f -name '*.db' | sort"
     data_before = lab.sh(databases).split()
     off = lab.play("playbooks/vllm.yml")
@@ -223,5 +236,16 @@ def test_turning_the_ui_off_removes_it_and_keeps_its_data(lab: Lab, webui):
     assert left == [], left
     assert lab.sh("systemctl is-active gptoss-webui.service || true").strip() in ("inactive", "unknown")
     assert data_before and lab.sh(databases).split() == data_before
+    # The proxy was switched off in the same play (the lab's default): its site, TLS files and listener
+    # are gone, and nginx, which the role installed here (its stamp), is stopped and disabled.
+    proxy_files = ["/etc/nginx/sites-enabled/gptoss-proxy.conf", "/etc/nginx/sites-available/gptoss-proxy.conf",
+                   "/etc/gptoss/tls"]
+    assert lab.sh(" ".join(f"test -e {path} && echo {path};" for path in proxy_files) + " true").split() == []
+    assert lab.sh(f"ss -Hltn 'sport = :8443' | grep -F '{lab.state.address}:' || true").strip() == ""
+    assert lab.ssh("systemctl is-active nginx; systemctl is-enabled nginx", check=False).stdout.split() == [
+        "inactive", "disabled"]
+    verify = lab.ssh("cd /opt/gptoss/lib && python3 -m service.host.verify --json --only WEB-001,API-002", check=False)
+    statuses = {r["id"]: r["status"] for r in json.loads(verify.stdout)["results"]}
+    assert statuses == {"WEB-001": "skip", "API-002": "pass"}, verify.stdout
     again = lab.play("playbooks/vllm.yml")
     assert again.rc == 0 and again.recap["changed"] == 0, again.output[-4000:]
