@@ -411,6 +411,12 @@ class Transaction:
             rollout = None
             if reasons:
                 result["reset_failed"] = self.reset_if_failed()
+                if not result["reset_failed"]:
+                    # A change's restart is not a crash: the unit's start limit (5 starts in 10 min) is
+                    # there for crash loops, and counts every start. Without this, a sixth change within
+                    # ten minutes (key rotations in a row did it in the lab) is refused by systemd
+                    # ("start request repeated too quickly"). reset-failed zeroes that counter.
+                    self.systemctl("reset-failed", self.unit, check=False)
                 since = time.time()
                 if self.pointer_changed():
                     # Stop, switch, start: the old process never imports from the new venv.
