@@ -144,3 +144,16 @@ def space_problem(venvs_dir: str, min_free_mib: int, package: str, version: str)
     return (f"{venvs_dir} has {free} MiB free, a {package} {version} venv needs {min_free_mib} MiB "
             "(vllm_service_venv_min_free_gib); refused before building, nothing was changed. "
             "Free space, or lower vllm_service_keep_venvs and converge once to prune.")
+
+
+# The inputs that name a venv (its hash) and where it goes: one argument spec for the modules that
+# take them (vllm_venv builds the venv, vllm_inputs checks them before anything changes).
+VENV_INPUT_SPEC = {
+    "package": {"type": "str", "required": True},
+    "version": {"type": "str", "required": True},
+    "pip_args": {"type": "list", "elements": "str", "default": []},
+    "remove_packages": {"type": "list", "elements": "str", "default": []},
+    "system_python": {"type": "path", "default": "/usr/bin/python3"},
+    "venvs_dir": {"type": "path", "default": "/opt/gptoss/venvs"},
+    "min_free_mib": {"type": "int", "default": 15360},
+}

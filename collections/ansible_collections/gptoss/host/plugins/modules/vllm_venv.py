@@ -147,14 +147,8 @@ def build(module: AnsibleModule, path: str, digest: str) -> dict:
 def main() -> None:
     module = AnsibleModule(
         argument_spec={
-            "package": {"type": "str", "required": True},
-            "version": {"type": "str", "required": True},
-            "pip_args": {"type": "list", "elements": "str", "default": []},
-            "remove_packages": {"type": "list", "elements": "str", "default": []},
-            "system_python": {"type": "path", "default": "/usr/bin/python3"},
-            "venvs_dir": {"type": "path", "default": "/opt/gptoss/venvs"},
+            **venv_store.VENV_INPUT_SPEC,
             "pointer": {"type": "path", "default": "/opt/gptoss/venv"},
-            "min_free_mib": {"type": "int", "default": 15360},
             "build": {"type": "bool", "default": True},
             "point_if_absent": {"type": "bool", "default": True},
         },
