@@ -70,8 +70,11 @@ def test_archive_driver_is_refused_before_anything_is_installed(apt_restored: La
     record_timing(f"driver_archive_refusal_{lab.state.release}", result.seconds)
     assert result.rc != 0, result.output[-3000:]
     assert "GPU-presence test skipped" in result.output
-    # The archive's real candidate, read the same way apt would install it.
-    candidate = re.search(r"Candidate: (\S+)", lab.sh("LC_ALL=C apt-cache policy nvidia-driver")).group(1)
+    # The archive's real candidate, read the same way apt would install it. The role read it with
+    # private package lists (validate first leaves the host's alone), so the host's lists are brought
+    # up to date here first (apt_restored puts them back afterwards).
+    candidate = re.search(r"Candidate: (\S+)", lab.sh("apt-get update -qq >/dev/null 2>&1; "
+                                                       "LC_ALL=C apt-cache policy nvidia-driver")).group(1)
     release = lab.sh(". /etc/os-release && echo $VERSION_ID").strip()
     archive_branch = ARCHIVE_DRIVER_BRANCH[release]
     assert candidate.startswith(archive_branch + "."), f"Debian {release}'s driver is {archive_branch}: {candidate}"
