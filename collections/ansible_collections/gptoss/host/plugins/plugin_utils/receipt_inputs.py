@@ -43,6 +43,8 @@ MAGIC_KEYS = frozenset({"hostvars", "vars", "groups", "group_names", "ansible_fa
                         "play_hosts", "ansible_play_hosts", "ansible_play_batch", "ansible_play_hosts_all",
                         "role_names", "ansible_role_names", "ansible_dependent_role_names", "playbook_dir",
                         "inventory_dir", "inventory_file", "ansible_config_file", "ansible_playbook_python"})
+# The connection variables are the user's (the router lists other hosts' servers by them).
+CONNECTION_VARS = ("ansible_host", "ansible_port", "ansible_user")
 # Inventory trees are read whole (vault files by their encrypted bytes); a walk stops here.
 INVENTORY_WALK_MAX = 20000
 
@@ -69,8 +71,6 @@ def unsafe_lookups(variables: Mapping[str, Any]) -> list[str]:
                   if lookup not in SAFE_LOOKUPS and not lookup.startswith(OWN_LOOKUPS)]
     return found
 
-
-CONNECTION_VARS = ("ansible_host", "ansible_port", "ansible_user")
 
 
 def selected_names(names: Iterable[str], prefixes: Iterable[str]) -> list[str]:
