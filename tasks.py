@@ -419,6 +419,31 @@ def vllm_venv(c):
     marker.write_text(WHEELHOUSE_SPEC)
 
 
+PROMETHEUS_TOOLS = ROOT / ".cache" / "tools" / "prometheus-2.42"
+PROMETHEUS_VERSION = "2.42."  # Debian 12's prometheus: the version the hosts run
+
+
+@task
+def promtool(c):
+    """promtool and prometheus from Debian's prometheus package, for the monitoring tests (.cache/tools).
+
+    `apt-get download` + extraction: no service, no package installed; the controller's apt candidate must
+    be Debian 12's 2.42 (the hosts' version), checked after extraction."""
+    binary = PROMETHEUS_TOOLS / "usr" / "bin" / "promtool"
+    if binary.exists():
+        return
+    partial = PROMETHEUS_TOOLS.with_name(PROMETHEUS_TOOLS.name + ".partial")
+    c.run(f"rm -rf {partial} && mkdir -p {partial}")
+    c.run(f"cd {partial} && apt-get download -q prometheus 2>&1 && "
+          f"dpkg-deb --fsys-tarfile prometheus_*.deb | tar -x ./usr/bin/promtool ./usr/bin/prometheus "
+          f"./usr/share/doc/prometheus/examples/console_libraries && rm prometheus_*.deb", hide="out")
+    version = c.run(f"{partial}/usr/bin/promtool --version", hide="both").stdout
+    if f"version {PROMETHEUS_VERSION}" not in version:
+        raise Exit(f"promtool: apt's prometheus is not {PROMETHEUS_VERSION}x (Debian 12's): {version.splitlines()[0]}",
+                   code=2)
+    c.run(f"mv {partial} {PROMETHEUS_TOOLS}")
+
+
 @task(help={"k": "pytest -k expression", "args": "extra pytest arguments",
             "workers": "pytest-xdist workers (default 2; 0 = one process). Tests that share a lab, or a "
                        "module's fixtures, stay on one worker (tests/conftest.py: xdist_group_of)",
@@ -431,6 +456,7 @@ def test(c, k="", args="", workers=2, drills=False, quick=False):
     if quick:
         lint(c)
     vllm_venv(c)
+    promtool(c)
     if not quick:
         lab_model(c)
     selection = (f"-k '{k}'" if k else "") + ("" if drills else " -m 'not drill'") + (" --no-lab" if quick else "")
@@ -577,8 +603,17 @@ def bench_nccl(c, args=""):
     c.run(f"{PYTHON} bench/nccl_allreduce.py {args}", pty=False)
 
 
+@task(name="bench-exporter", help={"port": "port the exporter serves on during the bench", "scrapes": "scrapes to time",
+                                   "dump": "also print the /metrics text, the families served and unsupported fields"})
+def bench_exporter(c, port=9835, scrapes=50, dump=False):
+    """gptoss-gpu-exporter: time and exporter CPU per scrape (bench/gpu_exporter_scrape.py; on a GPU box too)."""
+    c.run(f"{PYTHON} bench/gpu_exporter_scrape.py --port {int(port)} --scrapes {int(scrapes)}{' --dump' if dump else ''}",
+          pty=False)
+
+
 ns.add_task(lint)
 ns.add_task(vllm_venv)
+ns.add_task(promtool)
 ns.add_task(test)
 ns.add_task(test_times)
 ns.add_task(demo)
@@ -588,3 +623,4 @@ ns.add_task(tune)
 ns.add_task(bench_convert)
 ns.add_task(bench_nccl)
 ns.add_task(bench_converge)
+ns.add_task(bench_exporter)

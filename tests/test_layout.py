@@ -17,8 +17,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULE_UTILS = "ansible_collections.gptoss.host.plugins.module_utils"
-# What each venv is for: the packages service/venv/ may import (vLLM's venv, the router's venv).
-VENV_PACKAGES = {"vllm", "torch", "vllm_router", "safetensors", "numpy"}
+# What each venv is for: the packages service/venv/ may import (vLLM's venv, the router's venv, the GPU
+# exporter's venv: prometheus_client; its pynvml is read through service.host.nvml_reader).
+VENV_PACKAGES = {"vllm", "torch", "vllm_router", "safetensors", "numpy", "prometheus_client"}
 
 
 def optional_import_nodes(tree: ast.AST) -> set[int]:

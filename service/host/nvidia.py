@@ -16,6 +16,8 @@ from typing import Any
 
 from ansible_collections.gptoss.host.plugins.module_utils import kernel_flags, version_chain
 
+from service.host import nvml_reader
+
 PROC_VERSION = Path("/proc/driver/nvidia/version")
 PROC_PARAMS = Path(kernel_flags.PROC_PARAMS)
 # The project's absolute floor (R535 LTS); the CUDA build usually needs more.
@@ -31,7 +33,7 @@ P2P_STATUS_NAMES = {
     5: "not_supported",
     6: "unknown",
 }
-UNSUPPORTED = "unsupported"
+UNSUPPORTED = nvml_reader.UNSUPPORTED
 
 _VERSION_RE = re.compile(r"NVRM version:\s*(?P<desc>.*?Kernel Module.*?)\s+(?P<ver>\d+\.\d+(?:\.\d+)?)\b")
 
@@ -74,41 +76,14 @@ def cuda_driver_version_text(value: int) -> str:
     return f"{value // 1000}.{(value % 1000) // 10}"
 
 
-def _text(value: Any) -> Any:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _nvml_call(pynvml: Any, fn_name: str, *args: Any) -> Any:
-    """One NVML call; 'unsupported' or 'error: ...' instead of an exception, so one gap never hides the rest."""
-    fn = getattr(pynvml, fn_name, None)
-    if fn is None:
-        return UNSUPPORTED
-    try:
-        return _text(fn(*args))
-    except pynvml.NVMLError as err:
-        if getattr(err, "value", None) == getattr(pynvml, "NVML_ERROR_NOT_SUPPORTED", object()):
-            return UNSUPPORTED
-        return f"error: {err}"
+# What verify and the roles read of each GPU, through the one reader (nvml_reader.FIELDS).
+GPU_FACT_FIELDS = ("name", "uuid", "pci_bus_id", "persistence_mode", "pcie_gen_current", "pcie_gen_max",
+                   "pcie_width_current", "pcie_width_max", "memory_total_bytes", "gsp_firmware_mode",
+                   "gsp_firmware_version")
 
 
 def _gpu_facts(pynvml: Any, index: int, handle: Any) -> dict[str, Any]:
-    memory = _nvml_call(pynvml, "nvmlDeviceGetMemoryInfo", handle)
-    gsp = _nvml_call(pynvml, "nvmlDeviceGetGspFirmwareMode", handle)
-    return {
-        "index": index,
-        "name": _nvml_call(pynvml, "nvmlDeviceGetName", handle),
-        "uuid": _nvml_call(pynvml, "nvmlDeviceGetUUID", handle),
-        "pci_bus_id": _text(getattr(_nvml_call(pynvml, "nvmlDeviceGetPciInfo", handle), "busId", UNSUPPORTED)),
-        "persistence_mode": _nvml_call(pynvml, "nvmlDeviceGetPersistenceMode", handle),
-        "pcie_gen_current": _nvml_call(pynvml, "nvmlDeviceGetCurrPcieLinkGeneration", handle),
-        "pcie_gen_max": _nvml_call(pynvml, "nvmlDeviceGetMaxPcieLinkGeneration", handle),
-        "pcie_width_current": _nvml_call(pynvml, "nvmlDeviceGetCurrPcieLinkWidth", handle),
-        "pcie_width_max": _nvml_call(pynvml, "nvmlDeviceGetMaxPcieLinkWidth", handle),
-        "memory_total_bytes": memory.total if hasattr(memory, "total") else memory,
-        # (enabled, default) pair as NVML returns it, e.g. [1, 1].
-        "gsp_firmware_mode": list(gsp) if isinstance(gsp, tuple) else gsp,
-        "gsp_firmware_version": _nvml_call(pynvml, "nvmlDeviceGetGspFirmwareVersion", handle),
-    }
+    return {"index": index, **nvml_reader.read_fields(pynvml, handle, GPU_FACT_FIELDS)}
 
 
 def _p2p_pairs(pynvml: Any, handles: list[Any]) -> list[dict[str, Any]]:
@@ -116,7 +91,7 @@ def _p2p_pairs(pynvml: Any, handles: list[Any]) -> list[dict[str, Any]]:
     for a in range(len(handles)):
         for b in range(a + 1, len(handles)):
             # Caps index 0 (READ) as a literal: pynvml's NVML_P2P_CAPS_INDEX_READ is a tuple in some versions.
-            code = _nvml_call(pynvml, "nvmlDeviceGetP2PStatus", handles[a], handles[b], 0)
+            code = nvml_reader.call(pynvml, "nvmlDeviceGetP2PStatus", handles[a], handles[b], 0)
             status = P2P_STATUS_NAMES.get(code, f"code {code}") if isinstance(code, int) else code
             pairs.append({"a": a, "b": b, "status": status, "code": code if isinstance(code, int) else None})
     return pairs
@@ -124,22 +99,22 @@ def _p2p_pairs(pynvml: Any, handles: list[Any]) -> list[dict[str, Any]]:
 
 def nvml_snapshot() -> dict[str, Any]:
     """Driver, CUDA driver API version, per-GPU facts and P2P status per pair, read through NVML."""
-    try:
-        import pynvml  # optional: nvidia-ml-py
-    except ImportError as err:
-        return {"available": False, "reason": f"pynvml not importable ({err}); install nvidia-ml-py"}
+    pynvml, why = nvml_reader.load()  # optional: nvidia-ml-py
+    if pynvml is None:
+        return {"available": False, "reason": why, "reason_code": nvml_reader.REASON_PYNVML_MISSING}
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as err:
-        return {"available": False, "reason": f"nvmlInit failed: {err}"}
+        return {"available": False, "reason": f"nvmlInit failed: {err}",
+                "reason_code": nvml_reader.failure_reason(err)}
     try:
-        cuda = _nvml_call(pynvml, "nvmlSystemGetCudaDriverVersion")
-        count = _nvml_call(pynvml, "nvmlDeviceGetCount")
+        cuda = nvml_reader.call(pynvml, "nvmlSystemGetCudaDriverVersion")
+        count = nvml_reader.call(pynvml, "nvmlDeviceGetCount")
         handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count if isinstance(count, int) else 0)]
         return {
             "available": True,
-            "driver_version": _nvml_call(pynvml, "nvmlSystemGetDriverVersion"),
-            "nvml_version": _nvml_call(pynvml, "nvmlSystemGetNVMLVersion"),
+            "driver_version": nvml_reader.call(pynvml, "nvmlSystemGetDriverVersion"),
+            "nvml_version": nvml_reader.call(pynvml, "nvmlSystemGetNVMLVersion"),
             "cuda_driver_version_raw": cuda,
             "cuda_driver_version": cuda_driver_version_text(cuda) if isinstance(cuda, int) else cuda,
             "gpu_count": len(handles),
@@ -147,7 +122,7 @@ def nvml_snapshot() -> dict[str, Any]:
             "p2p": _p2p_pairs(pynvml, handles),
         }
     except pynvml.NVMLError as err:
-        return {"available": False, "reason": f"NVML: {err}"}
+        return {"available": False, "reason": f"NVML: {err}", "reason_code": nvml_reader.failure_reason(err)}
     finally:
         with contextlib.suppress(pynvml.NVMLError):
             pynvml.nvmlShutdown()
