@@ -419,31 +419,6 @@ def vllm_venv(c):
     marker.write_text(WHEELHOUSE_SPEC)
 
 
-PROMETHEUS_TOOLS = ROOT / ".cache" / "tools" / "prometheus-2.42"
-PROMETHEUS_VERSION = "2.42."  # Debian 12's prometheus: the version the hosts run
-
-
-@task
-def promtool(c):
-    """promtool and prometheus from Debian's prometheus package, for the monitoring tests (.cache/tools).
-
-    `apt-get download` + extraction: no service, no package installed; the controller's apt candidate must
-    be Debian 12's 2.42 (the hosts' version), checked after extraction."""
-    binary = PROMETHEUS_TOOLS / "usr" / "bin" / "promtool"
-    if binary.exists():
-        return
-    partial = PROMETHEUS_TOOLS.with_name(PROMETHEUS_TOOLS.name + ".partial")
-    c.run(f"rm -rf {partial} && mkdir -p {partial}")
-    c.run(f"cd {partial} && apt-get download -q prometheus 2>&1 && "
-          f"dpkg-deb --fsys-tarfile prometheus_*.deb | tar -x ./usr/bin/promtool ./usr/bin/prometheus "
-          f"./usr/share/doc/prometheus/examples/console_libraries && rm prometheus_*.deb", hide="out")
-    version = c.run(f"{partial}/usr/bin/promtool --version", hide="both").stdout
-    if f"version {PROMETHEUS_VERSION}" not in version:
-        raise Exit(f"promtool: apt's prometheus is not {PROMETHEUS_VERSION}x (Debian 12's): {version.splitlines()[0]}",
-                   code=2)
-    c.run(f"mv {partial} {PROMETHEUS_TOOLS}")
-
-
 @task(help={"k": "pytest -k expression", "args": "extra pytest arguments",
             "workers": "pytest-xdist workers (default 2; 0 = one process). Tests that share a lab, or a "
                        "module's fixtures, stay on one worker (tests/conftest.py: xdist_group_of)",
@@ -456,7 +431,6 @@ def test(c, k="", args="", workers=2, drills=False, quick=False):
     if quick:
         lint(c)
     vllm_venv(c)
-    promtool(c)
     if not quick:
         lab_model(c)
     selection = (f"-k '{k}'" if k else "") + ("" if drills else " -m 'not drill'") + (" --no-lab" if quick else "")
@@ -613,7 +587,6 @@ def bench_exporter(c, port=9835, scrapes=50, dump=False):
 
 ns.add_task(lint)
 ns.add_task(vllm_venv)
-ns.add_task(promtool)
 ns.add_task(test)
 ns.add_task(test_times)
 ns.add_task(demo)
