@@ -41,6 +41,8 @@ BAD_INPUTS = {
     "governor unknown": ("playbooks/host.yml", {"cpu_governor_governor": "turbo"}, "cpu_governor_governor"),
     "off loopback, no key": ("playbooks/vllm.yml", {"vllm_service_host": "0.0.0.0"},
                              "is not loopback: set vllm_service_api_key"),
+    "drain policy unknown": ("playbooks/vllm.yml", {"vllm_service_drain_on_timeout": "wait"},
+                             "vllm_service_drain_on_timeout"),
 }
 
 

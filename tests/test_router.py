@@ -128,3 +128,92 @@ def test_drain_against_a_router_that_does_not_answer_is_a_clear_error():
             router_drain.take_out(url, "http://127.0.0.1:8001", timeout_s=1)
     finally:
         server.close()
+
+
+class RouterAndWorker:
+    """vllm-router's admin API (list/remove/add_worker) and one vLLM worker's /metrics, on one local
+    HTTP server: a worker that keeps `running` requests in flight for as long as the test says."""
+
+    def __init__(self, running: int):
+        import http.server
+        import threading
+        import urllib.parse
+
+        owner = self
+        self.running, self.workers, self.calls = running, [], []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def reply(self, body: str, content_type: str = "application/json") -> None:
+                data = body.encode()
+                self.send_response(200)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                if self.path == "/list_workers":
+                    self.reply(json.dumps({"urls": owner.workers}))
+                else:  # /metrics of the worker
+                    self.reply(f'vllm:num_requests_running{{engine="0"}} {owner.running}.0\n'
+                               'vllm:num_requests_waiting{engine="0"} 0.0\n', "text/plain")
+
+            def do_POST(self) -> None:
+                path, _, query = self.path.partition("?")
+                url = urllib.parse.parse_qs(query)["url"][0]
+                owner.calls.append(path)
+                if path == "/remove_worker":
+                    owner.workers.remove(url)
+                else:
+                    owner.workers.append(url)
+                self.reply("{}")
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.workers.append(self.url)  # the worker is this same server's /metrics
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("running", [0, 1])
+def test_drain_policy_abort_puts_the_unit_back_and_proceed_reports_the_cut(running: int):
+    from ansible_collections.gptoss.host.plugins.module_utils import router_drain
+
+    fake = RouterAndWorker(running)
+    try:
+        if running:
+            with pytest.raises(router_drain.DrainAborted, match=r"1 request\(s\) in flight after .* on_timeout=abort"
+                                                                r".*back in the router") as aborted:
+                router_drain.take_out(fake.url, fake.url, timeout_s=0.3, on_timeout="abort", poll_s=0.1)
+            assert fake.workers == [fake.url] and fake.calls == ["/remove_worker", "/add_worker"]
+            assert aborted.value.result["in_flight"] == 1 and aborted.value.result["drained"] is False
+            fake.calls.clear()
+        proceed = router_drain.take_out(fake.url, fake.url, timeout_s=0.3, on_timeout="proceed", poll_s=0.1)
+        assert fake.workers == [] and fake.calls == ["/remove_worker"]  # out of the router until put_back
+        assert proceed["in_flight"] == running and proceed["drained"] is (not running)
+        assert proceed.get("cut", 0) == running
+        summary = router_drain.describe(proceed)
+        assert summary == (f"moved on with 1 request(s) in flight after {proceed['waited_s']} s (on_timeout=proceed: "
+                           "the restart cut them)" if running else f"drained: 0 requests in flight after "
+                                                                    f"{proceed['waited_s']} s")
+        assert router_drain.put_back(fake.url, fake.url) == {"listed": True} and fake.workers == [fake.url]
+        with pytest.raises(ValueError, match="on_timeout must be one of abort, proceed, not 'wait'"):
+            router_drain.take_out(fake.url, fake.url, timeout_s=0, on_timeout="wait")
+    finally:
+        fake.close()
+
+
+def test_vllm_change_refuses_an_unknown_drain_policy_before_anything():
+    result = run_ansible_module("vllm_change", {
+        "unit": "gptoss-test-none.service", "secrets_file": "/nonexistent/gptoss-secrets.env",
+        "record_path": "/nonexistent/record.json", "files": [{"path": "/nonexistent/x", "content": "x"}],
+        "record": {"base_url": "http://127.0.0.1:9"}, "lock_file": "/nonexistent/lock",
+        "drain": {"router_url": "http://127.0.0.1:9", "worker_url": "http://127.0.0.1:9", "on_timeout": "wait"}})
+    assert result["failed"] and result["msg"] == ("drain.on_timeout: 'wait' is not one of abort, proceed; "
+                                                  "nothing was changed"), result

@@ -3,6 +3,10 @@
 Standard library only (it runs inside the vllm_change module on the host). The router's admin API:
 POST /remove_worker?url=U and POST /add_worker?url=U, GET /list_workers -> {"urls": [...]}. A unit's
 in-flight requests are vLLM's own gauges on its /metrics: vllm:num_requests_running + _waiting.
+
+When the wait runs out with requests still in flight, the drain policy decides (ON_TIMEOUT):
+"abort" puts the unit back into the router and raises DrainAborted (the change must not touch the
+host); "proceed" returns, and the caller's restart cuts the requests counted in "in_flight".
 """
 
 from __future__ import annotations
@@ -17,8 +21,19 @@ import urllib.request
 _GAUGE = re.compile(r"^vllm:num_requests_(?:running|waiting)(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.MULTILINE)
 
 
+ON_TIMEOUT = ("abort", "proceed")
+
+
 class DrainError(RuntimeError):
     """The router refused or did not answer; the message names the URL and what it said."""
+
+
+class DrainAborted(DrainError):
+    """The wait ran out with requests in flight and the policy is abort: the unit is back in the router."""
+
+    def __init__(self, message: str, result: dict):
+        super().__init__(message)
+        self.result = result
 
 
 def _post(url: str, timeout: float) -> str:
@@ -54,11 +69,16 @@ def worker_in_flight(worker_url: str, timeout: float = 5.0) -> int | None:
         return None
 
 
-def take_out(router_url: str, worker_url: str, timeout_s: float, poll_s: float = 0.5) -> dict:
+def take_out(router_url: str, worker_url: str, timeout_s: float, on_timeout: str = "abort",
+             poll_s: float = 0.5) -> dict:
     """Remove the unit from the router, then wait (bounded) until it has no request left.
 
-    Returns {"was_listed", "drained", "waited_s", "in_flight"}; drained is False when the bound
-    passed with requests still running (the caller restarts anyway: the bound is the promise)."""
+    Returns {"was_listed", "drained", "waited_s", "in_flight", "on_timeout"}: in_flight is what the
+    unit still ran when this stopped waiting (what a restart now cuts). When the bound passes with
+    requests running: "proceed" returns (drained False, "cut" = in_flight); "abort" puts the unit back
+    and raises DrainAborted (its .result says the same numbers)."""
+    if on_timeout not in ON_TIMEOUT:
+        raise ValueError(f"on_timeout must be one of {', '.join(ON_TIMEOUT)}, not {on_timeout!r}")
     try:
         was_listed = worker_url in listed(router_url)
     except DrainError as exc:
@@ -67,7 +87,7 @@ def take_out(router_url: str, worker_url: str, timeout_s: float, poll_s: float =
         # that answers badly or hangs is still an error.
         if isinstance(getattr(exc.__cause__, "reason", exc.__cause__), ConnectionRefusedError):
             return {"was_listed": False, "drained": True, "waited_s": 0.0, "in_flight": 0,
-                    "router": "not running"}
+                    "on_timeout": on_timeout, "router": "not running"}
         raise
     if was_listed:
         _post(f"{router_url}/remove_worker?url={urllib.parse.quote(worker_url, safe=':/')}", timeout=10)
@@ -76,8 +96,27 @@ def take_out(router_url: str, worker_url: str, timeout_s: float, poll_s: float =
     while count and time.monotonic() - started < timeout_s:
         time.sleep(poll_s)
         count = worker_in_flight(worker_url)
-    return {"was_listed": was_listed, "drained": not count, "waited_s": round(time.monotonic() - started, 1),
-            "in_flight": count or 0}
+    result = {"was_listed": was_listed, "drained": not count, "waited_s": round(time.monotonic() - started, 1),
+              "in_flight": count or 0, "on_timeout": on_timeout}
+    if count and on_timeout == "abort":
+        if was_listed:
+            result.update(put_back(router_url, worker_url))
+        raise DrainAborted(f"{worker_url} still had {count} request(s) in flight after {result['waited_s']} s "
+                           f"(drain timeout {timeout_s:g} s, on_timeout=abort); "
+                           + ("it is back in the router" if was_listed else "it was not in the router"), result)
+    if count:
+        result["cut"] = count
+    return result
+
+
+def describe(result: dict) -> str:
+    """One line for the play: how many requests were in flight when the change moved on."""
+    if result.get("router") == "not running":
+        return "no router running yet, nothing to drain"
+    if result.get("drained", True):
+        return f"drained: 0 requests in flight after {result.get('waited_s', 0)} s"
+    return (f"moved on with {result.get('in_flight', 0)} request(s) in flight after {result.get('waited_s', 0)} s "
+            f"(on_timeout={result.get('on_timeout')}: the restart cut them)")
 
 
 def put_back(router_url: str, worker_url: str) -> dict:

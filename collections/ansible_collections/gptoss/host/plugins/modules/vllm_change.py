@@ -70,10 +70,17 @@ options:
   holder: {description: Who takes the lock (shown to a second run)., type: str, default: converge}
   drain:
     description:
-      - Drain through vllm-router when this change restarts the unit - {router_url, worker_url, timeout_s}.
+      - Drain through vllm-router when this change restarts the unit - {router_url, worker_url, timeout_s,
+        on_timeout}.
       - Before anything is written the unit is removed from the router and its in-flight requests are
-        awaited (at most timeout_s); after the gate passes it is added back. A failed gate leaves it out
-        of the router (the rest keep serving) and says so. Empty - no router.
+        awaited (at most timeout_s). If requests are still running then, on_timeout decides - C(abort)
+        (the default) puts the unit back into the router and fails, nothing changed; C(proceed) restarts
+        anyway and reports the requests it cut (drain.cut). Either way the result says how many were in
+        flight when it moved on (drain.in_flight, drain.summary).
+      - After the gate passes the unit is added back. On any failure after the drain, the unit goes back
+        into the router when the undo has it serving again (the previous configuration passed the gate,
+        or the server was never restarted); a unit that does not serve stays out of the router (the rest
+        keep serving, verify RTR-001 fails) and the message says which. Empty - no router.
     type: dict
     default: {}
 author: gptoss-host
@@ -101,6 +108,8 @@ lock_waited_for: {description: Who held the lock while this run waited, or empty
 pointer: {description: "The pointer's target before and after: {before, after}", type: dict, returned: always}
 removed_venvs: {description: Venvs removed by retention (or that would be in check mode), type: list, returned: always}
 rolled_back_to: {description: The history entry a rollback restored, type: dict, returned: rollback}
+drain: {description: "The drain - was_listed, drained, waited_s, in_flight, on_timeout, cut, summary", type: dict,
+        returned: when a drain ran}
 """
 
 import contextlib
@@ -395,10 +404,18 @@ class Transaction:
         if reasons and drain:
             try:  # before anything is written: a router that does not answer changes nothing
                 result["drain"] = router_drain.take_out(drain["router_url"], drain["worker_url"],
-                                                        float(drain.get("timeout_s", 60)))
+                                                        float(drain.get("timeout_s", 60)),
+                                                        drain.get("on_timeout", "abort"))
+            except router_drain.DrainAborted as exc:
+                result["drain"] = dict(exc.result, summary=router_drain.describe(exc.result))
+                self.module.fail_json(msg=f"vllm_change: drain aborted: {exc}; nothing was changed (set "
+                                          "vllm_service_drain_on_timeout=proceed to restart anyway and cut them)",
+                                      **{k: v for k, v in result.items() if k != "diff"})
             except router_drain.DrainError as exc:
                 self.module.fail_json(msg=f"vllm_change: could not take {drain['worker_url']} out of the router "
-                                          f"({exc}); nothing was changed", **result)
+                                          f"({exc}); nothing was changed", **{k: v for k, v in result.items()
+                                                                              if k != "diff"})
+            result["drain"]["summary"] = router_drain.describe(result["drain"])
         try:
             for path in changed:
                 self.backup(path)
@@ -433,10 +450,9 @@ class Transaction:
             result["rollout"] = rollout
             if not rollout.get("ok"):
                 raise ChangeFailed(str(rollout.get("reason")))
-        except (ChangeFailed, OSError, RuntimeError) as exc:
-            if result.get("drain", {}).get("was_listed"):
-                exc = ChangeFailed(f"{exc} ({drain['worker_url']} is left out of the router {drain['router_url']})")
-            self.undo(str(exc), state, result)
+        except Exception as exc:  # noqa: BLE001 - any failure after the drain is undone, router membership too
+            self.undo(str(exc) if isinstance(exc, (ChangeFailed, OSError, RuntimeError))
+                      else f"{type(exc).__name__}: {exc}", state, result)
         if result.get("drain", {}).get("was_listed"):
             try:
                 result["drain"].update(router_drain.put_back(drain["router_url"], drain["worker_url"]))
@@ -496,6 +512,7 @@ class Transaction:
         for path, spec in self.files.items():
             self.prune_backups(path, spec["secret"])
         notes = []
+        serving_again = False  # the undo's own evidence: the router gets the unit back only then
         try:
             self.systemctl("daemon-reload")
             if self.pointer_switched:  # the failed new server stops before the previous venv comes back
@@ -509,15 +526,20 @@ class Transaction:
                 self.systemctl("restart", self.unit)
                 previous = self.record_of(self.before[self.params["record_path"]])
                 back = self.gate(previous, since)
+                serving_again = bool(back.get("ok"))
                 notes.append(f"previous configuration restarted; serving again on {previous.get('base_url')}: "
                              + ("yes" if back.get("ok") else f"NO ({back.get('reason')})"))
-            elif was_serving:
+            elif was_serving and not result["restarted"]:
+                serving_again = True
                 notes.append("nothing had been written, so the running server was left as it was")
+            elif was_serving:
+                notes.append("nothing had been written; the server was restarted on its own inputs and did not serve")
             else:
                 self.systemctl("stop", self.unit, check=False)
                 notes.append(f"{self.unit} was not serving before this change; it is stopped")
         except (ChangeFailed, OSError, RuntimeError) as exc:
             notes.append(f"the undo itself failed: {exc}")
+        notes += self.router_after_undo(result, serving_again)
         what = (f"the new configuration did not serve: {reason}. Restored {len(restored)} input(s) to their "
                 f"previous content: {', '.join(restored)}." if self.written or self.pointer_switched
                 else f"the server does not serve, and this run changed nothing: {reason}.")
@@ -526,6 +548,24 @@ class Transaction:
                  + (f" {result['reset_failed']}." if result["reset_failed"] else "")
                  + "\nJournal tail:\n" + "\n".join(journal[-15:])),
             restored=restored, journal=journal[-40:], **{k: v for k, v in result.items() if k != "diff"})
+
+    def router_after_undo(self, result: dict, serving_again: bool) -> list[str]:
+        """The router membership is part of what an undo restores: back in when the unit serves again,
+        out (and said, verify RTR-001 fails) when it does not."""
+        drain, taken = self.params["drain"] or {}, result.get("drain", {})
+        if not taken.get("was_listed"):
+            return []
+        where = f"{drain['worker_url']} in the router {drain['router_url']}"
+        if not serving_again:
+            taken["listed"] = False
+            return [f"NOT back {where}: it does not serve (the other workers keep serving; verify RTR-001 "
+                    "fails until a converge or a rollback has it serving and puts it back)."]
+        try:
+            taken.update(router_drain.put_back(drain["router_url"], drain["worker_url"]))
+        except router_drain.DrainError as exc:
+            taken["listed"] = False
+            return [f"serving again but NOT back {where}: {exc} (verify RTR-001 fails until it is)."]
+        return [f"back {where}: yes."]
 
 
 HISTORY_KEPT = 10
@@ -613,6 +653,10 @@ def main() -> None:
         unit_inputs.secrets_file_text(module.params["api_key"])
     except ValueError as exc:  # refused before the lock and before anything is read or written
         module.fail_json(msg=f"{exc}; nothing was changed")
+    on_timeout = (module.params["drain"] or {}).get("on_timeout", "abort")
+    if on_timeout not in router_drain.ON_TIMEOUT:
+        module.fail_json(msg=f"drain.on_timeout: {on_timeout!r} is not one of {', '.join(router_drain.ON_TIMEOUT)}; "
+                             "nothing was changed")
     if module.params["mode"] == "converge" and not (module.params["files"] and module.params["record"]):
         module.fail_json(msg="mode=converge needs files and record; nothing was changed")
     if module.check_mode:
