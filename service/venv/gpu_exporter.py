@@ -181,14 +181,14 @@ class XidWatcher(threading.Thread):
         self.watched: dict[str, bool] = {}  # uuid -> registered
         self.lock = threading.Lock()
         self.stop = threading.Event()
-        self._started = False
+        self._start_requested = False
 
     def start_once(self) -> None:
         """Started with the first good init (at start-up or on a later scrape), once."""
         with self.lock:
-            if self._started:
+            if self._start_requested:
                 return
-            self._started = True
+            self._start_requested = True
         self.start()
 
     def run(self) -> None:
