@@ -31,7 +31,7 @@ from ansible_collections.gptoss.host.plugins.module_utils import (
     version_chain,
 )
 
-from service.host import nvidia, rollout, router_check
+from service.host import monitoring_check, nvidia, rollout, router_check
 from service.host.report import ReportRow
 
 STATUSES = ("pass", "fail", "skip", "error")
@@ -760,6 +760,76 @@ def check_router(ctx: Context) -> CheckResult:
         return CheckResult(cid, title, "fail", expected, "no answer", result["error"])
     reason = "; ".join(f"{what}: {' '.join(urls)}" for what in ("missing", "unexpected") if (urls := result[what]))
     return CheckResult(cid, title, "pass" if result["ok"] else "fail", expected, " ".join(result["workers"]), reason)
+# ------------------------------------------------------------------ monitoring (monitoring role)
+
+MONITORING_ERRORS = (OSError, urllib.error.URLError, ValueError, KeyError)
+
+
+def _scraped_elsewhere(ctx: Context, cid: str, title: str, url_key: str) -> CheckResult | None:
+    """On a fleet member, Prometheus and Alertmanager run on the server host: the check runs there."""
+    role = ctx.role("monitoring")
+    if role.get(url_key):
+        return None
+    return CheckResult(cid, title, "skip", "", "", f"scraped by the Prometheus on {role.get('server', '?')}")
+
+
+def check_prometheus_targets(ctx: Context) -> CheckResult:
+    """Prometheus answers and every target the role configured is up (its last scrape succeeded)."""
+    cid, title = "MON-001", "Prometheus up, every expected target up"
+    role = ctx.role("monitoring")
+    if skipped := _scraped_elsewhere(ctx, cid, title, "prometheus_url"):
+        return skipped
+    expected = [str(t) for t in role.get("expected_targets", [])]
+    want = f"{len(expected)} targets up"
+    try:
+        found = monitoring_check.targets(str(role["prometheus_url"]), expected, max(ctx.timeout, 5.0))
+    except MONITORING_ERRORS as err:
+        return CheckResult(cid, title, "fail", want, "no answer", f"Prometheus at {role['prometheus_url']}: {err}")
+    reason = "; ".join([f"down: {key} ({error})" for key, error in found["down"].items()]
+                       + [f"not configured in the running Prometheus: {key}" for key in found["missing"]])
+    ok = not found["down"] and not found["missing"]
+    return CheckResult(cid, title, "pass" if ok else "fail", want, f"{len(found['up'])} up: {', '.join(found['up'])}",
+                       reason)
+
+
+def check_prometheus_rules(ctx: Context) -> CheckResult:
+    """Every rule file the role wrote is loaded, no rule fails to evaluate, no configuration waits for a reload."""
+    cid, title = "MON-002", "Rules loaded, no evaluation errors"
+    role = ctx.role("monitoring")
+    if skipped := _scraped_elsewhere(ctx, cid, title, "prometheus_url"):
+        return skipped
+    files = [str(f) for f in role.get("rule_files", [])]
+    want = f"{len(files)} rule file(s) loaded, no rule failing, no reload pending"
+    try:
+        found = monitoring_check.rules(str(role["prometheus_url"]), files, [str(p) for p in role.get("inputs", [])],
+                                       max(ctx.timeout, 5.0))
+    except MONITORING_ERRORS as err:
+        return CheckResult(cid, title, "fail", want, "no answer", f"Prometheus at {role['prometheus_url']}: {err}")
+    reason = "; ".join([f"not loaded: {f}" for f in found["not_loaded"]]
+                       + [f"failing: {name}: {error}" for name, error in found["failing"].items()]
+                       + [f"changed since the last reload: {f}" for f in found["reload_pending"]]
+                       + [f"missing: {f}" for f in found["missing_inputs"]])
+    return CheckResult(cid, title, "fail" if reason else "pass", want,
+                       f"{found['groups']} groups, {found['rules']} rules", reason)
+
+
+def check_alertmanager(ctx: Context) -> CheckResult:
+    """Alertmanager answers, and its running configuration holds every receiver the role configured."""
+    cid, title = "MON-003", "Alertmanager up with the configured receiver"
+    role = ctx.role("monitoring")
+    if skipped := _scraped_elsewhere(ctx, cid, title, "alertmanager_url"):
+        return skipped
+    receivers = [str(r) for r in role.get("receivers", [])]
+    want = ", ".join(receivers) or "no receiver"
+    try:
+        found = monitoring_check.alertmanager(str(role["alertmanager_url"]), receivers, max(ctx.timeout, 5.0))
+    except MONITORING_ERRORS as err:
+        return CheckResult(cid, title, "fail", want, "no answer", f"Alertmanager at {role['alertmanager_url']}: {err}")
+    reason = "; ".join(f"receiver not in the running configuration: {r}" for r in found["missing"])
+    if not receivers:
+        reason = "no receiver configured: alerts go nowhere"
+    return CheckResult(cid, title, "fail" if reason else "pass", want,
+                       f"Alertmanager {found['version']} (cluster {found['cluster']})", reason)
 # ------------------------------------------------------------------ chat UI (webui role)
 
 # Sign-in hashes the password and the model list asks the upstream: slower than a bare /health.
@@ -989,6 +1059,9 @@ CHECKS: list[tuple[str, str, str, Callable[[Context], CheckResult]]] = [
     ("WEB-001", "Open WebUI signs the admin in and lists the served model", "webui", check_webui),
     ("NET-001", "vLLM listens beyond loopback only on its API port", "vllm_service", check_listening_sockets),
     ("NET-002", "systemd's IPAddressDeny= really blocks (the UI's egress wall)", "webui", check_ip_firewall),
+    ("MON-001", "Prometheus up, every expected target up", "monitoring", check_prometheus_targets),
+    ("MON-002", "Rules loaded, no evaluation errors", "monitoring", check_prometheus_rules),
+    ("MON-003", "Alertmanager up with the configured receiver", "monitoring", check_alertmanager),
 ]
 CHECK_IDS = [cid for cid, _, _, _ in CHECKS]
 

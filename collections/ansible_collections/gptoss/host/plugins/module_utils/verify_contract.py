@@ -82,6 +82,18 @@ CONTRACT: dict[str, dict[str, Key]] = {
     "router": {
         "config_file": Key((str,), "the router's configuration: the workers RTR-001 expects it to list"),
     },
+    "monitoring": {
+        "server": Key((str,), "the inventory host whose Prometheus scrapes this one (MON-001..003 run there)"),
+        "prometheus_url": Key((str,), "Prometheus's base URL on this host, '' where another host's scrapes it "
+                                      "(MON-001, MON-002)"),
+        "expected_targets": Key((list,), "'<job> <instance>' of every target that must be up (MON-001)"),
+        "rule_files": Key((list,), "the rule files Prometheus must have loaded (MON-002)"),
+        "inputs": Key((list,), "configuration files the services read: newer than the last reload = reload "
+                               "pending (MON-002)"),
+        "alertmanager_url": Key((str,), "Alertmanager's base URL, '' = none (MON-003)"),
+        "receivers": Key((list,), "the receiver integrations Alertmanager must have: webhook URLs, 'email <to>' "
+                                  "(MON-003)"),
+    },
 }
 # A replica instance's record, verify.d/vllm_service@<name>.json, keeps the contract of vllm_service.
 INSTANCE_SEPARATOR = "@"

@@ -1,0 +1,128 @@
+"""Monitoring's live state, as Prometheus and Alertmanager report it (verify's MON-001..003, `invoke alerts`).
+
+Standard library only. Each function asks one API and compares with what the role recorded
+(verify.d/monitoring.json); checks.py turns the answers into report rows. Also a command:
+`python3 -m service.host.monitoring_check alerts --prometheus URL [--alertmanager URL]` prints the
+alerts firing as JSON (what `invoke alerts` shows per host).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from ansible_collections.gptoss.host.plugins.module_utils import verify_contract
+
+# A target not scraped yet (Prometheus just (re)started) reads "unknown": wait up to this long for a verdict.
+FIRST_SCRAPE_WAIT_S = 30.0
+
+
+def get_json(url: str, timeout: float) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.load(response)
+
+
+def prometheus_data(base: str, path: str, timeout: float) -> Any:
+    answer = get_json(base.rstrip("/") + path, timeout)
+    if answer.get("status") != "success":
+        raise ValueError(f"{path}: {answer.get('error') or answer}")
+    return answer["data"]
+
+
+def targets(base: str, expected: list[str], timeout: float, wait_s: float = FIRST_SCRAPE_WAIT_S) -> dict[str, Any]:
+    """{"up": [...], "down": {target: error}, "missing": [...], "unexpected": [...]}, keyed '<job> <instance>'."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        active = prometheus_data(base, "/api/v1/targets?state=active", timeout)["activeTargets"]
+        seen = {f"{t['labels'].get('job')} {t['labels'].get('instance')}": t for t in active}
+        unknown = [key for key in expected if key in seen and seen[key].get("health") == "unknown"]
+        if not unknown or time.monotonic() >= deadline:
+            break
+        time.sleep(2)
+    return {
+        "up": sorted(key for key in expected if key in seen and seen[key].get("health") == "up"),
+        "down": {key: seen[key].get("lastError") or seen[key].get("health", "?")
+                 for key in expected if key in seen and seen[key].get("health") != "up"},
+        "missing": sorted(key for key in expected if key not in seen),
+        "unexpected": sorted(key for key in seen if key not in expected),
+    }
+
+
+def rules(base: str, rule_files: list[str], inputs: list[str], timeout: float) -> dict[str, Any]:
+    """Rule files loaded, rules whose evaluation fails, and files changed since the last good reload."""
+    groups = prometheus_data(base, "/api/v1/rules", timeout)["groups"]
+    loaded = {g.get("file") for g in groups}
+    failing = {f"{g.get('name')}/{r.get('name')}": r.get("lastError") or r.get("health")
+               for g in groups for r in g.get("rules", []) if r.get("health") == "err"}
+    flags = prometheus_data(base, "/api/v1/status/flags", timeout)
+    query = urllib.parse.quote("prometheus_config_last_reload_success_timestamp_seconds")
+    result = prometheus_data(base, f"/api/v1/query?query={query}", timeout)["result"]
+    reloaded_at = float(result[0]["value"][1]) if result else 0.0
+    watched = [flags.get("config.file", "")] + list(rule_files)
+    pending = sorted(path for path in watched if path and os.path.exists(path) and os.stat(path).st_mtime > reloaded_at)
+    return {"groups": len(groups), "rules": sum(len(g.get("rules", [])) for g in groups),
+            "not_loaded": sorted(f for f in rule_files if f not in loaded), "failing": failing,
+            "reload_pending": pending, "missing_inputs": sorted(p for p in inputs if not os.path.exists(p))}
+
+
+def alertmanager(base: str, receivers: list[str], timeout: float) -> dict[str, Any]:
+    """Alertmanager's status: its configuration must hold every receiver the role configured."""
+    status = get_json(base.rstrip("/") + "/api/v2/status", timeout)
+    original = str((status.get("config") or {}).get("original", ""))
+    wanted = [r.split(" ", 1)[1] if r.startswith("email ") else r for r in receivers]
+    return {"version": (status.get("versionInfo") or {}).get("version", "?"),
+            "cluster": (status.get("cluster") or {}).get("status", "?"),
+            "missing": [r for r, text in zip(receivers, wanted, strict=True) if text not in original]}
+
+
+def firing(prometheus: str, alertmanager_url: str, timeout: float) -> dict[str, Any]:
+    """The alerts firing (Prometheus) and what Alertmanager holds for delivery."""
+    alerts = prometheus_data(prometheus, "/api/v1/alerts", timeout)["alerts"]
+    out: dict[str, Any] = {"prometheus": prometheus, "alerts": [
+        {"name": a["labels"].get("alertname", "?"), "state": a.get("state"), "since": a.get("activeAt", ""),
+         "labels": {k: v for k, v in a["labels"].items() if k != "alertname"},
+         "summary": (a.get("annotations") or {}).get("summary", "")} for a in alerts]}
+    if alertmanager_url:
+        try:
+            held = get_json(alertmanager_url.rstrip("/") + "/api/v2/alerts?active=true&silenced=false", timeout)
+            out["alertmanager"] = sorted({a["labels"].get("alertname", "?") for a in held})
+        except (OSError, urllib.error.URLError, ValueError) as err:
+            out["alertmanager_error"] = str(err)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Alerts firing on this host's Prometheus, as JSON")
+    sub = parser.add_subparsers(dest="command", required=True)
+    alerts = sub.add_parser("alerts")
+    alerts.add_argument("--record", default="/etc/gptoss/verify.d/monitoring.json",
+                        help="the role's record: where Prometheus and Alertmanager listen (default %(default)s)")
+    alerts.add_argument("--timeout", type=float, default=10.0)
+    args = parser.parse_args(argv)
+    try:
+        with open(args.record, encoding="utf-8") as handle:
+            data = verify_contract.check_record("monitoring", json.load(handle))
+        record = verify_contract.RoleRecord("monitoring", data)
+    except (OSError, ValueError) as err:
+        print(json.dumps({"error": f"{args.record}: {err} (is the monitoring role applied?)"}))
+        return 2
+    if not record.get("prometheus_url"):
+        print(json.dumps({"scraped_by": record.get("server", "?"), "alerts": []}))
+        return 0
+    try:
+        print(json.dumps(firing(record["prometheus_url"], record.get("alertmanager_url", ""), args.timeout)))
+    except (OSError, urllib.error.URLError, ValueError, KeyError) as err:
+        print(json.dumps({"error": f"Prometheus at {record['prometheus_url']} did not answer: {err}"}))
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
