@@ -260,9 +260,29 @@ def lab_webui_wheelhouse(c):
     marker.write_text(WEBUI_WHEELHOUSE_SPEC + " for the lab's Python")
 
 
+# A real Hugging Face hub mirror for the hf-source tests (tests/olah_server.py): olah in a venv of its
+# own on the controller, never in the project's (it pins its own FastAPI, GitPython, huggingface_hub).
+OLAH_SPEC = "olah==0.5.4"
+OLAH_VENV = nspawn.CACHE_DIR / "olah-venv"
+
+
+@task(name="olah")
+def lab_olah(c):
+    """Install olah, the hub mirror the hf-source tests serve the tiny model from (.cache/olah-venv; cached)."""
+    marker = OLAH_VENV / ".complete"
+    if marker.exists() and marker.read_text() == OLAH_SPEC:
+        print(f"olah: {OLAH_SPEC} already in {OLAH_VENV}")
+        return
+    # A venv's scripts name its folder, so it is built in place; the marker, written last, says it is whole.
+    c.run(f"rm -rf {OLAH_VENV} && {PYTHON} -m venv {OLAH_VENV}")
+    c.run(f"{OLAH_VENV}/bin/python -m pip install -q '{OLAH_SPEC}'")
+    marker.write_text(OLAH_SPEC)
+
+
 lab.add_task(lab_wheelhouse)
 lab.add_task(lab_webui_wheelhouse)
 lab.add_task(lab_model)
+lab.add_task(lab_olah)
 
 
 # ---------------------------------------------------------------- provisioning

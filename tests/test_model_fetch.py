@@ -1,8 +1,9 @@
 """gptoss.host.model_fetch: the mirror path against a real HTTP server, real files, a real small disk.
 
 The module runs as Ansible runs it (a python process reading ANSIBLE_MODULE_ARGS), so check mode,
-the refusals and the JSON result are the module's own. The hub and ModelScope paths call their
-official clients and cannot be reached from here: only their argument checks are tested.
+the refusals and the JSON result are the module's own. The hf path runs against olah, a real hub
+mirror (tests/olah_server.py; the lab's end-to-end runs are tests/test_hub_mirror_lab.py); ModelScope
+cannot be reached from here: only its argument checks are tested.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from mirror_server import MirrorServer
+from olah_server import HubRepo, Olah, install_olah
 
 REPO = Path(__file__).resolve().parents[1]
 COLLECTIONS = REPO / "collections"
@@ -211,3 +213,27 @@ def test_git_blob_id_matches_git(tmp_path):
     sample.write_bytes(b'{"a": 1}\n')
     expected = subprocess.run(["git", "hash-object", str(sample)], capture_output=True, text=True, check=True)
     assert mf.git_blob_sha1(sample) == expected.stdout.strip()
+
+
+def test_hf_source_against_a_real_hub_mirror(tmp_path):
+    """olah serving a git repository: the file list by the tree API (sizes, blob ids, LFS sha256),
+    every file checked, a no-op second run, and a commit the mirror lacks refused with its answer."""
+    repo = HubRepo(tmp_path / "mirrors", "gptoss-test/tiny")
+    files = {"config.json": b'{"model_type": "llama"}\n', "model.safetensors": os.urandom(300 * 1024),
+             "sub/tokenizer.json": b"{}\n"}
+    commit = repo.commit(files, "first")
+    with Olah(install_olah(), tmp_path / "mirrors", tmp_path / "olah") as olah:
+        dest = tmp_path / "models" / "tiny"
+        args = {"dest": str(dest), "source": "hf", "repo_id": repo.repo_id, "revision": commit,
+                "endpoint": olah.url}
+        planned = run_module(tmp_path, args, check=True)
+        assert planned["bytes_missing"] == sum(map(len, files.values())), planned
+        first = run_module(tmp_path, args)
+        assert first["changed"] and first["revision"] == commit, first
+        assert {k: v for k, v in tree(dest).items() if k != mf.MARKER} == {
+            name: hashlib.sha256(data).hexdigest() for name, data in files.items()}  # no .gitattributes, no .cache
+        assert run_module(tmp_path, args)["changed"] is False
+        missing = run_module(tmp_path, {**args, "revision": "0" * 40})
+        assert missing["failed"] and olah.url in missing["msg"] and "404" in missing["msg"], missing
+        assert "Entry Not Found" in missing["msg"] and "unchanged" in missing["msg"]
+        assert tree(dest)["model.safetensors"] == hashlib.sha256(files["model.safetensors"]).hexdigest()

@@ -263,7 +263,8 @@ def verify_folder(folder: Path, files: list[FileSpec]) -> None:
 
 
 # ---------------------------------------------------------------- hubs (official clients only)
-# Neither hub can be reached from the project's lab or CI, so these paths are not exercised there.
+# The hf path runs in the tests against olah, a real hub mirror serving a git repository
+# (tests/test_hub_mirror_lab.py); ModelScope cannot be reached from the lab or CI.
 
 
 def require_commit(revision: str) -> None:
@@ -271,29 +272,63 @@ def require_commit(revision: str) -> None:
         raise FetchError(f"revision {revision!r}: pin a full 40-hex commit id (a branch name can move)")
 
 
-def hf_file_list(repo_id: str, revision: str, endpoint: str | None, token: str | None) -> list[FileSpec]:
-    """Files at a pinned commit with the hub's own sums: LFS sha256, or the git blob id otherwise."""
-    from huggingface_hub import HfApi
+def hub_error(endpoint: str | None, what: str, err: Exception) -> FetchError:
+    """The client's error as a refusal that names the endpoint and carries the server's own answer."""
+    where = endpoint or "the hub (the client's default endpoint)"
+    status = getattr(getattr(err, "response", None), "status_code", None)
+    hint = ""
+    if status in (401, 403):
+        hint = " (check model_weights_token: the endpoint refused it, or needs one)"
+    text = " ".join(str(err).split())[:600]
+    # The client's last word is often generic ("check your connection"): the first error says why.
+    root = err
+    while root.__cause__ is not None or root.__context__ is not None:
+        root = root.__cause__ or root.__context__
+    cause = f" (cause: {type(root).__name__}: {' '.join(str(root).split())[:300]})" if root is not err else ""
+    return FetchError(f"{where}: {what}: {type(err).__name__}: {text}{cause}{hint}; the live folder is unchanged")
 
-    info = HfApi(endpoint=endpoint or None, token=token or None).model_info(
-        repo_id, revision=revision, files_metadata=True
-    )
+
+def hf_file_list(repo_id: str, revision: str, endpoint: str | None, token: str | None) -> list[FileSpec]:
+    """Files at a pinned commit with the hub's own sums: LFS sha256, or the git blob id otherwise.
+
+    One call, GET api/models/<repo>/tree/<commit>?recursive=true: every file's size, blob id and LFS
+    sha256. model_info(files_metadata=True) would give the same on the hub itself, but a mirror (olah)
+    answers it with file names only. Top-level dotfiles (.gitattributes) are the repository's git
+    bookkeeping, not the model, and are left out (the mirror manifest refuses such paths too)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.hf_api import RepoFile
+
+    try:
+        entries = list(HfApi(endpoint=endpoint or None, token=token or None).list_repo_tree(
+            repo_id, revision=revision, recursive=True))
+    except Exception as err:  # noqa: BLE001 (every client error becomes a refusal that names the endpoint)
+        raise hub_error(endpoint, f"listing {repo_id} at {revision}", err) from err
     files = []
-    for sibling in info.siblings or []:
-        if sibling.lfs is not None:
-            files.append(FileSpec(sibling.rfilename, int(sibling.lfs.size), str(sibling.lfs.sha256)))
+    for entry in entries:
+        if not isinstance(entry, RepoFile) or entry.path.startswith("."):
+            continue
+        if entry.lfs is not None:
+            files.append(FileSpec(entry.path, int(entry.lfs.size), str(entry.lfs.sha256).lower()))
         else:
-            files.append(FileSpec(sibling.rfilename, int(sibling.size or 0), "", str(sibling.blob_id)))
+            files.append(FileSpec(entry.path, int(entry.size), "", str(entry.blob_id)))
+    if not files:
+        raise FetchError(f"{endpoint or 'the hub'}: {repo_id} at {revision} lists no files;"
+                         " the live folder is unchanged")
     return files
 
 
 def hf_download(repo_id: str, revision: str, spec: FileSpec, staging: Path, endpoint: str | None,
                 token: str | None) -> None:
-    """The client resumes its own `.incomplete` files under staging/.cache."""
+    """GET resolve/<commit>/<path> through the official client (HEAD first for X-Repo-Commit and the
+    ETag). It keeps a partial file under staging/.cache and asks for the rest with a Range header on
+    the next run; a server that ignores Range (olah's git mirrors) sends the file again from 0."""
     from huggingface_hub import hf_hub_download
 
-    hf_hub_download(repo_id, spec.path, revision=revision, local_dir=str(staging), endpoint=endpoint or None,
-                    token=token or None)
+    try:
+        hf_hub_download(repo_id, spec.path, revision=revision, local_dir=str(staging),
+                        endpoint=endpoint or None, token=token or None)
+    except Exception as err:  # noqa: BLE001 (as above)
+        raise hub_error(endpoint, f"downloading {spec.path} of {repo_id} at {revision}", err) from err
 
 
 def modelscope_file_list(model_id: str, revision: str, token: str | None) -> list[FileSpec]:
