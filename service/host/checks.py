@@ -31,7 +31,7 @@ from ansible_collections.gptoss.host.plugins.module_utils import (
     version_chain,
 )
 
-from service.host import monitoring_check, nvidia, rollout, router_check
+from service.host import gpu_exporter_check, monitoring_check, nvidia, rollout, router_check
 from service.host.report import ReportRow
 
 STATUSES = ("pass", "fail", "skip", "error")
@@ -830,6 +830,28 @@ def check_alertmanager(ctx: Context) -> CheckResult:
         reason = "no receiver configured: alerts go nowhere"
     return CheckResult(cid, title, "fail" if reason else "pass", want,
                        f"Alertmanager {found['version']} (cluster {found['cluster']})", reason)
+def check_gpu_exporter(ctx: Context) -> CheckResult:
+    """The exporter's GPU count and NVML state against NVML's, read here through the same reader; where
+    neither sees NVML (no driver: the lab) it skips as the GPU checks do (fails where require_gpu)."""
+    cid, title = "MON-004", "GPU exporter agrees with NVML's GPU count"
+    url = str(ctx.role("gpu_exporter")["metrics_url"])
+    nvml = ctx.nvml
+    expected = f"{nvml['gpu_count']} GPU(s), gptoss_nvml_up 1" if nvml.get("available") else "NVML's view"
+    try:
+        view = gpu_exporter_check.scrape(url, max(ctx.timeout, 5.0))
+    except (OSError, urllib.error.URLError, ValueError) as err:
+        return CheckResult(cid, title, "fail", expected, "no answer", f"{url}: {err}")
+    status, reason = gpu_exporter_check.compare(view, nvml)
+    found = gpu_exporter_check.describe(view) if view["up"] is not None and view["count"] is not None else "?"
+    if status == "no_nvml":
+        if "nvidia_driver" in ctx.roles:  # its require_gpu decides, as for GPU-001..004
+            result = _no_gpu(ctx, cid, title, reason, expected)
+            result.found = found
+            return result
+        status = "skip"
+    return CheckResult(cid, title, status, expected, found, reason)
+
+
 # ------------------------------------------------------------------ chat UI (webui role)
 
 # Sign-in hashes the password and the model list asks the upstream: slower than a bare /health.
@@ -1062,6 +1084,7 @@ CHECKS: list[tuple[str, str, str, Callable[[Context], CheckResult]]] = [
     ("MON-001", "Prometheus up, every expected target up", "monitoring", check_prometheus_targets),
     ("MON-002", "Rules loaded, no evaluation errors", "monitoring", check_prometheus_rules),
     ("MON-003", "Alertmanager up with the configured receiver", "monitoring", check_alertmanager),
+    ("MON-004", "GPU exporter agrees with NVML's GPU count", "gpu_exporter", check_gpu_exporter),
 ]
 CHECK_IDS = [cid for cid, _, _, _ in CHECKS]
 

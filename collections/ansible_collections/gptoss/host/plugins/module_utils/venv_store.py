@@ -21,11 +21,15 @@ MANIFEST = "gptoss-venv.json"
 
 
 def inputs_hash(package: str, version: str, pip_args: list[str], remove_packages: list[str],
-                system_python: str) -> str:
-    """Short hash of everything that decides a venv's content; another input means another venv."""
-    canonical = json.dumps({"package": package, "version": version, "pip_args": list(pip_args),
-                            "remove_packages": sorted(remove_packages), "system_python": system_python},
-                           sort_keys=True)
+                system_python: str, requirements: list[str] | tuple[str, ...] = ()) -> str:
+    """Short hash of everything that decides a venv's content; another input means another venv.
+    `requirements` (more pinned packages beside `package`, e.g. the GPU exporter's) count only when given,
+    so a vLLM venv keeps the name it had before they existed."""
+    inputs = {"package": package, "version": version, "pip_args": list(pip_args),
+              "remove_packages": sorted(remove_packages), "system_python": system_python}
+    if requirements:
+        inputs["requirements"] = sorted(requirements)
+    canonical = json.dumps(inputs, sort_keys=True)
     return hashlib.sha256(canonical.encode()).hexdigest()[:10]
 
 

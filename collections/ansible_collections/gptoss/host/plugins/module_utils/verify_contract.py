@@ -82,6 +82,11 @@ CONTRACT: dict[str, dict[str, Key]] = {
     "router": {
         "config_file": Key((str,), "the router's configuration: the workers RTR-001 expects it to list"),
     },
+    # Written by the monitoring role's tasks/gpu_exporter.yml (a record of its own: the exporter has its switch).
+    "gpu_exporter": {
+        "metrics_url": Key((str,), "where gptoss-gpu-exporter serves /metrics: its GPU count and NVML state "
+                                   "against NVML's (MON-004)"),
+    },
     "monitoring": {
         "server": Key((str,), "the inventory host whose Prometheus scrapes this one (MON-001..003 run there)"),
         "prometheus_url": Key((str,), "Prometheus's base URL on this host, '' where another host's scrapes it "

@@ -1,19 +1,21 @@
 #!/usr/bin/python
-"""Ansible module: build one versioned vLLM venv beside the others, while the running server serves."""
+"""Ansible module: build one versioned venv (vLLM's, or another pinned program's) beside the others."""
 
 from __future__ import annotations
 
 DOCUMENTATION = r"""
 ---
 module: vllm_venv
-short_description: Build a versioned vLLM venv under venvs_dir without touching the one that serves
+short_description: Build a versioned venv under venvs_dir without touching the one that serves
 description:
   - The venv is C(<venvs_dir>/<package>-<version>-<hash>), the hash covering every install input
-    (package, version, pip arguments, removed packages, system Python). Another input is another
-    venv; the running server's venv is never written to.
-  - Complete means the manifest (gptoss-venv.json) exists; it is written last, after vLLM imported
-    and reported the wanted version. A venv without it (a play killed mid-install) is removed and
-    built again.
+    (package, version, pip arguments, removed packages, system Python, extra requirements). Another
+    input is another venv; the running server's venv is never written to.
+  - Complete means the manifest (gptoss-venv.json) exists; it is written last, after the modules of
+    I(import_check) imported and the package reported the wanted version. A venv without it (a play
+    killed mid-install) is removed and built again.
+  - vLLM's venv (the default) and the GPU exporter's (roles/monitoring, I(requirements) and
+    I(import_check) set, I(pointer) empty) are built by this one module.
   - Refuses before anything is changed when the filesystem has less than I(min_free_mib) free.
   - Migration - a real directory at I(pointer) (the layout before versioned venvs) is moved under
     I(venvs_dir) and the pointer symlink created in its place (same files, same paths for the
@@ -23,7 +25,18 @@ description:
     there is no pointer yet (a new host, where nothing can serve from it) does this module create it, so
     that the model converter, which runs before the service, finds the venv.
 options:
-  pointer: {description: The symlink the unit runs through., type: path, default: /opt/gptoss/venv}
+  pointer: {description: "The symlink the unit runs through; empty: none (no adoption, no pointer).", type: path,
+            default: /opt/gptoss/venv}
+  requirements:
+    description: More pinned requirements (C(name==version)) installed with the package, in the same pip run.
+    type: list
+    elements: str
+    default: []
+  import_check:
+    description: Modules the new venv must import before it counts as complete.
+    type: list
+    elements: str
+    default: [vllm]
   build: {description: false = only say which venv is wanted and whether it is complete., type: bool, default: true}
   point_if_absent: {description: Create the pointer to the built venv when there is none., type: bool, default: true}
 extends_documentation_fragment: [gptoss.host.venv_inputs]
@@ -48,6 +61,7 @@ pointer_target: {description: Where the pointer points now (the serving venv), o
 
 import json
 import os
+import re
 import time
 
 from ansible.module_utils.basic import AnsibleModule
@@ -113,14 +127,17 @@ def build(module: AnsibleModule, path: str, digest: str) -> dict:
     try:
         run(module, [params["system_python"], "-m", "venv", path], "creating the venv")
         run(module, [python, "-m", "pip", "install", "-q", *params["pip_args"],
-                     f"{params['package']}=={params['version']}"], "pip install")
+                     f"{params['package']}=={params['version']}", *params["requirements"]], "pip install")
         if params["remove_packages"]:
             run(module, [python, "-m", "pip", "uninstall", "-y", "-q", *params["remove_packages"]],
                 "pip uninstall of remove_packages")
-        # The check the new venv must pass before anything points at it: vLLM imports, at the wanted version.
-        out = run(module, [python, "-c", "import json, importlib.metadata as m, vllm; "
-                           f"print(json.dumps({{'version': m.version({params['package']!r}), "
-                           "'vllm_version': vllm.__version__}))"], "import vllm in the new venv")
+        # The check the new venv must pass before anything points at it: its modules import (vLLM's), and
+        # the package is at the wanted version.
+        imports = ", ".join(["json", "importlib.metadata as m", *params["import_check"]])
+        extra = ", 'vllm_version': vllm.__version__" if "vllm" in params["import_check"] else ""
+        out = run(module, [python, "-c", f"import {imports}; "
+                           f"print(json.dumps({{'version': m.version({params['package']!r}){extra}}}))"],
+                  f"import {', '.join(params['import_check'])} in the new venv")
         found = json.loads(out.strip().splitlines()[-1])
     except BuildFailed as exc:
         venv_store.remove_venv(path)
@@ -130,7 +147,9 @@ def build(module: AnsibleModule, path: str, digest: str) -> dict:
         venv_store.remove_venv(path)
         module.fail_json(msg=f"vllm_venv: {path} holds {params['package']} {found['version']}, "
                              f"wanted {params['version']}; removed it, nothing else was touched")
-    manifest = {"package": params["package"], "version": params["version"], "vllm_version": found["vllm_version"],
+    manifest = {"package": params["package"], "version": params["version"],
+                **({"vllm_version": found["vllm_version"]} if "vllm_version" in found else {}),
+                **({"requirements": params["requirements"]} if params["requirements"] else {}),
                 "pip_args": params["pip_args"], "remove_packages": params["remove_packages"],
                 "system_python": params["system_python"], "inputs_hash": digest,
                 "built_epoch": time.time(), "build_seconds": round(time.time() - started, 1)}
@@ -145,22 +164,27 @@ def main() -> None:
             "pointer": {"type": "path", "default": "/opt/gptoss/venv"},
             "build": {"type": "bool", "default": True},
             "point_if_absent": {"type": "bool", "default": True},
+            "requirements": {"type": "list", "elements": "str", "default": []},
+            "import_check": {"type": "list", "elements": "str", "default": ["vllm"]},
         },
         supports_check_mode=True,
     )
     params = module.params
     digest = venv_store.inputs_hash(params["package"], params["version"], params["pip_args"],
-                                    params["remove_packages"], params["system_python"])
+                                    params["remove_packages"], params["system_python"], params["requirements"])
+    bad = [name for name in params["import_check"] if not re.fullmatch(r"[A-Za-z_][\w.]*", name)]
+    if bad:
+        module.fail_json(msg=f"vllm_venv: import_check {bad}: not module names; nothing was changed")
     try:
         path = os.path.join(params["venvs_dir"], venv_store.venv_name(params["package"], params["version"], digest))
     except ValueError as exc:
         module.fail_json(msg=f"vllm_venv: {exc}; nothing was changed")
     result = {"path": path, "built": False, "adopted": "", "changed": False}
-    if venv_store.is_legacy_dir(params["pointer"]) and params["build"]:
+    if params["pointer"] and venv_store.is_legacy_dir(params["pointer"]) and params["build"]:
         result["adopted"] = adopt_legacy(module, path)
         result["changed"] = True
     result["complete"] = venv_store.read_manifest(path) is not None
-    result["pointer_target"] = venv_store.pointer_target(params["pointer"]) or ""
+    result["pointer_target"] = (venv_store.pointer_target(params["pointer"]) if params["pointer"] else None) or ""
     if not params["build"]:
         module.exit_json(**result)
     if result["complete"]:
@@ -178,7 +202,7 @@ def main() -> None:
 def point_new_host(module: AnsibleModule, result: dict) -> dict:
     """A host without any pointer gets one now; everywhere else vllm_change switches it."""
     pointer = module.params["pointer"]
-    if not module.params["point_if_absent"] or os.path.lexists(pointer):
+    if not pointer or not module.params["point_if_absent"] or os.path.lexists(pointer):
         return result
     if not module.check_mode:
         venv_store.switch_pointer(pointer, result["path"])
