@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -338,6 +339,51 @@ def rollback(c, inventory=None, check=False, extra=""):
 ns.add_task(rollback)
 
 
+# ---------------------------------------------------------------- alerts
+
+
+def alerts_table(answers: dict[str, dict]) -> tuple[str, int]:
+    """The alerts firing per host, as text; exit 0 none firing, 1 some firing, 2 a host did not answer."""
+    lines, code = [], 0
+    for host, answer in sorted(answers.items()):
+        if "error" in answer:
+            lines.append(f"{host}: ERROR {answer['error']}")
+            code = 2
+            continue
+        if "scraped_by" in answer:
+            lines.append(f"{host}: scraped by the Prometheus on {answer['scraped_by']}")
+            continue
+        firing = [a for a in answer.get("alerts", []) if a.get("state") == "firing"]
+        pending = [a for a in answer.get("alerts", []) if a.get("state") != "firing"]
+        lines.append(f"{host}: {len(firing)} firing, {len(pending)} pending")
+        for alert in firing + pending:
+            labels = " ".join(f"{k}={v}" for k, v in sorted(alert.get("labels", {}).items()))
+            lines.append(f"  {alert['state'].upper():8} {alert['name']} {labels} since {alert.get('since', '')}"
+                         + (f": {alert['summary']}" if alert.get("summary") else ""))
+        if answer.get("alertmanager_error"):
+            lines.append(f"  Alertmanager did not answer: {answer['alertmanager_error']}")
+        code = max(code, 1 if firing else 0)
+    return "\n".join(lines), code
+
+
+@task(help={"inventory": "inventory file (default: the lab)", "json": "print JSON instead of the table"})
+def alerts(c, inventory=None, json_=False):
+    """List the alerts firing per host (each host's Prometheus asked over SSH). Exit 0 none, 1 firing, 2 no answer."""
+    out = ROOT / ".cache" / "alerts"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    _ansible(c, "ansible-playbook playbooks/alerts.yml", inventory, warn=True, hide="out")
+    answers = {path.stem: json.loads(path.read_text() or "{}") for path in sorted(out.glob("*.json"))}
+    if not answers:
+        raise Exit("alerts: no host answered (is the inventory up?)", code=2)
+    text, code = alerts_table(answers)
+    print(json.dumps(answers, indent=2) if json_ else text)
+    raise Exit(code=code)
+
+
+ns.add_task(alerts)
+
+
 # ---------------------------------------------------------------- verify
 
 
@@ -359,11 +405,28 @@ def verify(c, local=False, inventory=None, json_=False, junit="", no_completion=
     raise Exit(code=verify_mod.report_hosts(reports, as_json=json_, junit=junit or None, waivers=waived))
 
 
-def _inventory_hosts(c, inventory: str | None) -> list[str]:
-    """Host names of the inventory (default: the lab), as Ansible resolves them."""
+def _inventory_hostvars(c, inventory: str | None) -> dict[str, dict]:
+    """Each host's inventory variables (default inventory: the lab), as Ansible resolves them."""
     command = f"{ROOT}/.venv/bin/ansible-inventory {'-i ' + inventory if inventory else ''} --list"
     listing = json.loads(c.run(command, hide=True, env={"GPTOSS_LAB": lab_name()}).stdout)
-    return sorted(listing.get("_meta", {}).get("hostvars", {}))
+    return listing.get("_meta", {}).get("hostvars", {})
+
+
+def _inventory_hosts(c, inventory: str | None) -> list[str]:
+    """Host names of the inventory (default: the lab), as Ansible resolves them."""
+    return sorted(_inventory_hostvars(c, inventory))
+
+
+SLO_DEFAULTS = ROOT / "roles" / "monitoring" / "defaults" / "main" / "rules.yml"
+TTFT_SLO_VAR = "monitoring_slo_ttft_p95_ms"
+
+
+def ttft_slo_ms(host_vars: dict) -> float:
+    """The TTFT SLO's one home, which the monitoring alert uses too: the host's inventory value, else the
+    monitoring role's default."""
+    import yaml
+
+    return float(host_vars.get(TTFT_SLO_VAR, yaml.safe_load(SLO_DEFAULTS.read_text())[TTFT_SLO_VAR]))
 
 
 def _verify_inventory(c, inventory, args) -> dict:
@@ -457,6 +520,31 @@ def vllm_venv(c):
     marker.write_text(WHEELHOUSE_SPEC)
 
 
+PROMETHEUS_TOOLS = ROOT / ".cache" / "tools" / "prometheus-2.42"
+PROMETHEUS_VERSION = "2.42."  # Debian 12's prometheus: the version the hosts run
+
+
+@task
+def promtool(c):
+    """promtool and prometheus (its console engine) from Debian's prometheus package, for the monitoring tests.
+
+    `apt-get download` + extraction: no service, no package installed; the controller's apt candidate must
+    be Debian 12's 2.42 (the hosts' version), checked after extraction."""
+    binary = PROMETHEUS_TOOLS / "usr" / "bin" / "promtool"
+    if binary.exists():
+        return
+    partial = PROMETHEUS_TOOLS.with_name(PROMETHEUS_TOOLS.name + ".partial")
+    c.run(f"rm -rf {partial} && mkdir -p {partial}")
+    c.run(f"cd {partial} && apt-get download -q prometheus 2>&1 && "
+          f"dpkg-deb --fsys-tarfile prometheus_*.deb | tar -x ./usr/bin/promtool ./usr/bin/prometheus && "
+          f"rm prometheus_*.deb", hide="out")
+    version = c.run(f"{partial}/usr/bin/promtool --version", hide="both").stdout
+    if f"version {PROMETHEUS_VERSION}" not in version:
+        raise Exit(f"promtool: apt's prometheus is not {PROMETHEUS_VERSION}x (Debian 12's): {version.splitlines()[0]}",
+                   code=2)
+    c.run(f"mv {partial} {PROMETHEUS_TOOLS}")
+
+
 @task(help={"k": "pytest -k expression", "args": "extra pytest arguments",
             "workers": "pytest-xdist workers (default 2; 0 = one process). Tests that share a lab, or a "
                        "module's fixtures, stay on one worker (tests/conftest.py: xdist_group_of)",
@@ -469,6 +557,7 @@ def test(c, k="", args="", workers=2, drills=False, quick=False):
     if quick:
         lint(c)
     vllm_venv(c)
+    promtool(c)
     if not quick:
         lab_model(c)
     selection = (f"-k '{k}'" if k else "") + ("" if drills else " -m 'not drill'") + (" --no-lab" if quick else "")
@@ -538,14 +627,15 @@ def bench(c, url="", model="", concurrency="1,2,4,8,16", num_prompts=32, input_l
           f"--json {out} --plot {plot} {args}", pty=False)
 
 
-@task(help={"ttft_p95_ms": "latency target: p95 time to first token at --concurrency",
+@task(help={"ttft_p95_ms": f"latency target: p95 time to first token at --concurrency (default: the host's "
+                          f"{TTFT_SLO_VAR}, the SLO the monitoring alert uses)",
             "concurrency": "the load level the target is about", "max_num_seqs": "grid values, comma-separated",
             "max_num_batched_tokens": "grid values", "chunked": "chunked prefill values: on,off",
             "two_gpus": "also try TP=2 against two replicas (DP=2)", "accept": "keep the winner (else restore)",
             "url": "server base URL (default: the lab)", "model": "served model name",
             "inventory": "inventory file (default: the lab)", "num_prompts": "requests per benchmark",
             "input_len": "prompt tokens", "output_len": "generated tokens"}, auto_shortflags=False)
-def tune(c, ttft_p95_ms=800, concurrency=4, max_num_seqs="2,4", max_num_batched_tokens="256,512",
+def tune(c, ttft_p95_ms=0.0, concurrency=4, max_num_seqs="2,4", max_num_batched_tokens="256,512",
          chunked="on,off", two_gpus=False, accept=False, url="", model="", inventory=None, num_prompts=16,
          input_len=64, output_len=32):
     """Sweep a small flag grid: validate, roll out safely and benchmark each candidate; keep the best."""
@@ -554,9 +644,11 @@ def tune(c, ttft_p95_ms=800, concurrency=4, max_num_seqs="2,4", max_num_batched_
     if not url:
         url, default_model = _lab_endpoint()
         model = model or default_model
-    hosts = _inventory_hosts(c, inventory)
+    hostvars = _inventory_hostvars(c, inventory)
+    hosts = sorted(hostvars)
     if len(hosts) != 1:
         raise Exit(f"tune: needs exactly one host in the inventory, found {hosts}", code=2)
+    ttft_p95_ms = float(ttft_p95_ms) or ttft_slo_ms(hostvars[hosts[0]])
     problem = tuning.endpoint_problem(url)
     if problem:
         raise Exit(f"tune: {problem}. With a replica profile, pass --url: the router (every instance, "
@@ -625,6 +717,7 @@ def bench_exporter(c, port=9835, scrapes=50, dump=False):
 
 ns.add_task(lint)
 ns.add_task(vllm_venv)
+ns.add_task(promtool)
 ns.add_task(test)
 ns.add_task(test_times)
 ns.add_task(demo)

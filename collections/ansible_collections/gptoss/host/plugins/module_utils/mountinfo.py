@@ -7,7 +7,9 @@ modules: standard library only.
 
 from __future__ import annotations
 
+import posixpath
 import re
+from collections.abc import Iterable
 from typing import Any
 
 PROC_MOUNTINFO = "/proc/self/mountinfo"
@@ -64,3 +66,16 @@ def missing_options(wanted: list[str], mount: dict[str, Any]) -> list[str]:
     """The options of `wanted` that the live mount does not have (aliases honoured, 'defaults' skipped)."""
     have = live_options(mount)
     return [o for o in wanted if o not in DEFAULT_OPTIONS and not OPTION_ALIASES.get(o, frozenset({o})) & have]
+
+
+def mount_point_of(path: str, mount_points: Iterable[str]) -> str:
+    """The mount point `path` lives on: the longest of `mount_points` containing it ('/' when none does).
+
+    The monitoring rules select a file system's free space by node exporter's `mountpoint` label."""
+    path = posixpath.normpath("/" + path.lstrip("/"))
+    best = "/"
+    for point in mount_points:
+        point = posixpath.normpath(point)
+        if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+            best = point
+    return best
