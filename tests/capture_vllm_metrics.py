@@ -1,7 +1,8 @@
 """Refresh tests/data/vllm-metrics-<version>.txt: the /metrics text of a real vLLM after a few requests.
 
 The monitoring test (tests/test_monitoring_rules.py) fails when a rule, console page or dashboard names a
-`vllm:` metric this capture does not have, so a vLLM upgrade that renames a metric breaks a test.
+`vllm:` metric one of the captures (tests/data/vllm-metrics-*.txt) does not have, so a vLLM upgrade that
+renames a metric breaks a test.
 
   CPU build (the controller's test venv, the lab's tiny model; `invoke vllm-venv lab.model` first):
     .venv/bin/python tests/capture_vllm_metrics.py --start

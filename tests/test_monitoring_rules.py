@@ -5,7 +5,10 @@
   run the cases in tests/promtool/. Every alert needs a case where it fires and one where it must not.
 - Every metric name a rule, page or dashboard uses exists: `vllm:` in the capture of a real vLLM's
   /metrics (tests/data/vllm-metrics-0.32.txt; tests/capture_vllm_metrics.py refreshes it, for the GPU
-  build too), `gptoss_` in the GPU exporter's one family list (service.venv.gpu_exporter.FAMILY_NAMES).
+  build too), `gptoss_` in the GPU exporter's one family list (service.venv.gpu_exporter.FAMILY_NAMES),
+  `node_` in tests/data/node-exporter-1.5-metrics.txt (Debian 12's binary run on a bookworm lab with
+  --collector.systemd --collector.systemd.enable-restarts-metrics, one sample per family kept) and
+  `probe_` in tests/data/blackbox-0.23-probe.txt (Debian 12's blackbox /probe of an https target).
 - Every PromQL expression of the pages and the dashboard passes promtool, and the pages render on a real
   Prometheus 2.42 (its console template engine) without a template error.
 
@@ -40,6 +43,8 @@ PROMTOOL = TOOLS / "bin" / "promtool"
 PROMETHEUS = TOOLS / "bin" / "prometheus"
 CASES_DIR = ROOT / "tests" / "promtool"
 VLLM_CAPTURE = ROOT / "tests" / "data" / "vllm-metrics-0.32.txt"
+EXPORTER_CAPTURES = {"node_": ROOT / "tests" / "data" / "node-exporter-1.5-metrics.txt",
+                     "probe_": ROOT / "tests" / "data" / "blackbox-0.23-probe.txt"}
 RULES_TEMPLATE = ROOT / "templates" / "monitoring" / "gptoss.rules.yml.j2"
 CONSOLES = sorted((ROLE / "files" / "consoles").glob("*.html"))
 CONSOLE_LIBRARIES = ROLE / "files" / "console_libraries"
@@ -52,7 +57,7 @@ RULES_FILE = "gptoss.rules.yml"  # the name tests/promtool/*.yml load
 INVENTORY = "[fleet]\nh1 ansible_connection=local\nlab ansible_connection=local monitoring_expected_gpus=0\n"
 # Metric names a rule, page or dashboard uses, by the prefix of who serves them. Names right after a
 # ':' or a word character are recording rules' (host_unit:vllm_...), not served metrics.
-SERVED_NAME = re.compile(r"(?<![\w:])((?:vllm:|gptoss_|node_|probe_)[a-zA-Z0-9_:]+)")
+SERVED_NAME = re.compile(r"(?<![\w:])((?:vllm:|http_|gptoss_|node_|probe_)[a-zA-Z0-9_:]+)")
 
 
 def promtool(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -200,9 +205,15 @@ def test_a_broken_threshold_is_refused_by_promtool(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- metric names
 
 
-def vllm_capture_names() -> set[str]:
-    return {line.split("{")[0].split(" ")[0] for line in VLLM_CAPTURE.read_text().splitlines()
+def exposition_names(path: Path) -> set[str]:
+    return {line.split("{")[0].split(" ")[0] for line in path.read_text().splitlines()
             if line and not line.startswith("#")}
+
+
+def vllm_capture_names() -> set[str]:
+    """Series names in every capture (the CPU build's, and a GPU build's where one sits beside it)."""
+    captures = sorted(VLLM_CAPTURE.parent.glob("vllm-metrics-*.txt"))
+    return set.intersection(*(exposition_names(path) for path in captures))
 
 
 def served_names(text: str) -> set[str]:
@@ -224,10 +235,13 @@ def test_every_served_metric_name_exists(path: Path) -> None:
     """A renamed vLLM metric (gpu_cache_usage_perc -> kv_cache_usage_perc) breaks this, not a page at 3 a.m."""
     used = served_names(expressions_text(path))
     assert used, f"{path.name} names no served metric"
-    vllm_missing = sorted(n for n in used if n.startswith("vllm:") and n not in vllm_capture_names())
+    vllm_missing = sorted(n for n in used if n.startswith(("vllm:", "http_")) and n not in vllm_capture_names())
     gpu_missing = sorted(n for n in used if n.startswith("gptoss_") and n not in gpu_family_names())
+    exporter_missing = sorted(n for prefix, capture in EXPORTER_CAPTURES.items() for n in used
+                              if n.startswith(prefix) and n not in exposition_names(capture))
     assert vllm_missing == [], f"not in {VLLM_CAPTURE.name}"
     assert gpu_missing == [], "not in service.venv.gpu_exporter.FAMILY_NAMES"
+    assert exporter_missing == [], "not in the node/blackbox exporter captures"
 
 
 def test_the_name_check_catches_a_renamed_metric() -> None:
@@ -235,6 +249,8 @@ def test_the_name_check_catches_a_renamed_metric() -> None:
     assert "vllm:gpu_cache_usage_perc" not in vllm_capture_names()
     assert "vllm:time_per_output_token_seconds_bucket" not in vllm_capture_names()
     assert served_names("host_unit:vllm_itl_seconds:p95_5m + host:gptoss_gpu_expected:count") == set()
+    assert "node_systemd_service_restarts_total" not in exposition_names(EXPORTER_CAPTURES["node_"])
+    assert "node_systemd_service_restart_total" in exposition_names(EXPORTER_CAPTURES["node_"])
 
 
 def capture_buckets_ms(histogram: str) -> list[float]:
