@@ -351,6 +351,12 @@ def configure_rootfs(state: LabState) -> None:
         if not link.exists():
             link.symlink_to("/dev/null")
     (root / "models").mkdir(exist_ok=True)
+    # debootstrap wrote one D-Bus machine id into the shared rootfs, and systemd takes it when
+    # /etc/machine-id is empty: every lab had the same id. Point it at the lab's own, as Debian does.
+    dbus_id = root / "var/lib/dbus/machine-id"
+    if dbus_id.exists() and not dbus_id.is_symlink():
+        dbus_id.unlink()
+        dbus_id.symlink_to("/etc/machine-id")
     # The lab's core for vLLM's OpenMP threads (allocate_cpu), for every unit the lab's systemd starts;
     # a unit's own Environment= (the cpu-lab-x2 instances bind 0 and 1) still wins.
     manager_dropin = root / "etc/systemd/system.conf.d/gptoss-lab-cpu.conf"
@@ -390,7 +396,7 @@ def install_fstab_mounter(root: Path) -> None:
     wants = root / "etc/systemd/system/local-fs.target.wants"
     wants.mkdir(parents=True, exist_ok=True)
     link = wants / unit.name
-    if not link.exists():
+    if not link.is_symlink():  # (exists() would follow the link to a path of this machine, not the lab's)
         link.symlink_to(f"/etc/systemd/system/{unit.name}")
 
 
@@ -481,8 +487,9 @@ def ssh(state: LabState, command: list[str] | str, check: bool = True,
     return run([*ssh_command(state), remote], check=check, timeout=timeout)
 
 
-def boot(state: LabState) -> None:
-    """Start systemd-nspawn in its own session and wait for systemd and sshd."""
+def boot(state: LabState, first_unit: str = "") -> None:
+    """Start systemd-nspawn in its own session and wait for systemd and sshd. `first_unit`: the unit
+    this one boot starts instead of the default target (a clone's first boot, see up_from_image)."""
     mount_root_disk(state)
     if not state.loop_device or loop_backing_file(state.loop_device) != str(state.disk_image):
         state.loop_device = attach_loop(state.disk_image)
@@ -495,9 +502,12 @@ def boot(state: LabState) -> None:
     cmd.append(f"--bind-ro={WHEELHOUSE_DIR}:/srv/wheelhouse")
     WEBUI_WHEELHOUSE_DIR.mkdir(parents=True, exist_ok=True)
     cmd.append(f"--bind-ro={WEBUI_WHEELHOUSE_DIR}:/srv/webui-wheelhouse")
+    if first_unit:  # arguments after the options go to the lab's systemd, which reads them as its kernel command line
+        cmd.append(f"systemd.unit={first_unit}")
     started = time.monotonic()
     with open(state.log_file, "ab") as log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                                preexec_fn=lambda: enter_lab_cgroups(state.name))  # noqa: PLW1509 - no threads here
     state.nspawn_pid = proc.pid
     state.started_at = time.time()
     state.save()
@@ -509,6 +519,50 @@ def boot(state: LabState) -> None:
     wait_ssh(state)
     state.boot_seconds = round(time.monotonic() - started, 1)
     state.save()
+
+
+# Where a process's systemd tracks units: cgroup2 (its own mount, or "unified" beside the v1 controllers
+# on a hybrid host) and the v1 name=systemd hierarchy. This machine has no systemd of its own, and
+# systemd-nspawn --keep-unit splits the cgroup it starts in into supervisor/ and payload/: every lab
+# started from the same cgroup got the same payload/, so each lab's systemd saw the other labs' services
+# in its units' cgroups (PID 0 in cgroup.procs, foreign). Stopping gptoss-vllm.service then failed with
+# 'Failed to kill control group ...: Input/output error' (systemd refuses PID 0 and stops enumerating,
+# so some of its own engine processes were never killed), and the unit's cgroup never emptied.
+CGROUP_ROOTS = (Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup/systemd"), Path("/sys/fs/cgroup"))
+
+
+def lab_cgroups(name: str) -> list[Path]:
+    """The lab's own cgroup in each hierarchy that tracks processes (under this process's own cgroup)."""
+    own = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            number, controllers, path = line.split(":", 2)
+            own["unified" if number == "0" else controllers] = path
+    out = []
+    for root in CGROUP_ROOTS:
+        if not (root / "cgroup.procs").exists() or (root == Path("/sys/fs/cgroup") and out):
+            continue  # not mounted here, or the hybrid layout's tmpfs
+        key = "name=systemd" if root.name == "systemd" else "unified"
+        if key in own:
+            out.append(root / own[key].lstrip("/") / f"gptoss-lab-{name}")
+    return out
+
+
+def enter_lab_cgroups(name: str) -> None:
+    """Move this process into the lab's own cgroups (run in the child before it execs nspawn)."""
+    for cgroup in lab_cgroups(name):
+        cgroup.mkdir(exist_ok=True)
+        (cgroup / "cgroup.procs").write_text(f"{os.getpid()}\n")
+
+
+def remove_lab_cgroups(name: str) -> None:
+    """Remove the lab's cgroups, deepest first, once nothing runs in them (best effort: a busy one stays)."""
+    for cgroup in lab_cgroups(name):
+        for folder in sorted((p for p in cgroup.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        with contextlib.suppress(OSError):
+            cgroup.rmdir()
 
 
 def stop(state: LabState) -> None:
@@ -523,6 +577,7 @@ def stop(state: LabState) -> None:
             os.kill(state.nspawn_pid, signal.SIGKILL)
             time.sleep(0.5)
             _reap(state.nspawn_pid)
+    remove_lab_cgroups(state.name)
     state.nspawn_pid = 0
     state.save()
 
@@ -555,13 +610,7 @@ def up(name: str, release: str | None = None) -> tuple[LabState, str]:
     t0 = time.monotonic()
     tarball, cached = ensure_rootfs_cache(release)
     t_rootfs = time.monotonic() - t0
-    lab_dir = lab_dir_for(name)
-    if lab_dir.exists():
-        raise LabError(f"{lab_dir} exists without a state file; remove it or run lab.down")
-    lab_dir.mkdir(parents=True)
-    address, port = allocate_address(name)
-    state = LabState(name=name, address=address, ssh_port=port, lab_dir=str(lab_dir), release=release)
-    state.extra = {"cpu": allocate_cpu()}
+    state = _new_state(name, release)
     try:
         create_root_disk(state, tarball)
         configure_rootfs(state)
@@ -577,6 +626,103 @@ def up(name: str, release: str | None = None) -> tuple[LabState, str]:
     state.save()
     how = f"cached {release} rootfs" if cached else f"fresh {release} debootstrap"
     return state, f"lab up in {total}s ({how} {t_rootfs:.1f}s, boot {state.boot_seconds}s)"
+
+
+def _new_state(name: str, release: str) -> LabState:
+    """The state of a lab about to be made: its folder, its own address, port and vLLM core."""
+    lab_dir = lab_dir_for(name)
+    if lab_dir.exists():
+        raise LabError(f"{lab_dir} exists without a state file; remove it or run lab.down")
+    lab_dir.mkdir(parents=True)
+    address, port = allocate_address(name)
+    state = LabState(name=name, address=address, ssh_port=port, lab_dir=str(lab_dir), release=release)
+    state.extra = {"cpu": allocate_cpu()}
+    return state
+
+
+# ---------------------------------------------------------------- images: a converged lab, copied
+
+# A copy of a lab's two disks. The test suite converges one lab from scratch and starts the labs of its
+# other workers from an image of it: each then runs one real converge of its own (its address, port, model
+# device and receipt differ) instead of the whole first converge (venv install, weights) again.
+IMAGE_ROOT_TAR = "root.tar"
+IMAGE_MODEL_DISK = "model-disk.img"
+IMAGE_META = "image.json"
+# A clone's first boot starts only this target: sshd and the lab's own mounts. The services the origin's
+# converge enabled would otherwise start with the origin's address (labs share the machine's network) and
+# could answer for the origin while its own server restarts; the clone's converge starts them on its own.
+CLONE_FIRST_TARGET = "gptoss-lab-clone.target"
+CLONE_FIRST_TARGET_UNIT = """\
+# Written by lab.up_from_image: the first boot of a lab copied from another lab's disks.
+[Unit]
+Description=lab clone, first boot: sshd and the lab's mounts, none of the copied services
+Requires=basic.target
+Wants=ssh.service gptoss-lab-fstab.service systemd-logind.service
+After=basic.target ssh.service
+AllowIsolate=yes
+"""
+
+
+def save_image(name: str, directory: Path) -> dict:
+    """Copy the running lab `name`'s disks into `directory` (made anew). Both file systems are frozen
+    while they are read, so the copy is crash-consistent without stopping the lab (its server waits a
+    few seconds for its writes, then goes on)."""
+    state = load_state(name)
+    if state is None or not is_our_nspawn(state):
+        raise LabError(f"lab {name!r} is not running")
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    started = time.monotonic()
+    lab_exec(state, ["sync"])
+    pid = init_pid(state)
+    frozen = [state.root]
+    # The model disk where the lab mounts it (its own mount table: the host does not see that mount).
+    lab_mounts = [line.split()[4] for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()]
+    if "/models" in lab_mounts:
+        frozen.insert(0, Path(f"/proc/{pid}/root/models"))
+    try:
+        for path in frozen:
+            run(["fsfreeze", "-f", str(path)])
+        run(["tar", "--numeric-owner", "--xattrs", "--one-file-system", "-C", str(state.root),
+             "-cf", str(directory / IMAGE_ROOT_TAR), "."])
+        run(["cp", "--sparse=always", str(state.disk_image), str(directory / IMAGE_MODEL_DISK)])
+    finally:
+        for path in reversed(frozen):
+            run(["fsfreeze", "-u", str(path)], check=False)
+    meta = {"lab": state.name, "release": state.release, "address": state.address,
+            "model_device": state.loop_device, "seconds": round(time.monotonic() - started, 1)}
+    (directory / IMAGE_META).write_text(json.dumps(meta, indent=2))
+    return meta
+
+
+def up_from_image(name: str, directory: Path) -> tuple[LabState, str]:
+    """A new lab `name` from an image save_image wrote: the copied disks with this lab's own identity
+    (address, port, SSH keys, machine id, vLLM core), first booted without the copied services."""
+    free_pending_zram()
+    if load_state(name) is not None:
+        raise LabError(f"lab {name!r} exists: run lab.down first")
+    meta = json.loads((directory / IMAGE_META).read_text())
+    started = time.monotonic()
+    state = _new_state(name, meta["release"])
+    state.extra["cloned_from"] = meta["lab"]
+    try:
+        create_root_disk(state, directory / IMAGE_ROOT_TAR)
+        for key in (state.root / "etc/ssh").glob("ssh_host_*"):
+            key.unlink()  # the origin's host keys: configure_rootfs makes this lab's own
+        (state.root / "etc/machine-id").write_text("")
+        configure_rootfs(state)
+        (state.root / "etc/systemd/system" / CLONE_FIRST_TARGET).write_text(CLONE_FIRST_TARGET_UNIT)
+        run(["cp", "--sparse=always", str(directory / IMAGE_MODEL_DISK), str(state.disk_image)])
+        state.loop_device = attach_loop(state.disk_image)
+        state.save()
+        boot(state, first_unit=CLONE_FIRST_TARGET)
+    except BaseException:
+        destroy(state)
+        raise
+    total = round(time.monotonic() - started, 1)
+    state.extra["up_seconds"] = total
+    state.save()
+    return state, f"lab up in {total}s from the image of {meta['lab']!r} (boot {state.boot_seconds}s)"
 
 
 def destroy(state: LabState) -> None:

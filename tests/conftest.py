@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -46,15 +47,29 @@ def record_timing(name: str, seconds: float) -> None:
 # worker, in file order, or two workers would each boot (and fight over) a lab of the same name.
 BOOKWORM_LAB_FIXTURES = {"fresh_lab", "lab", "converged"}
 TRIXIE_LAB_FIXTURES = {"trixie_lab", "trixie_converged"}
-# Modules that need only a converged bookworm lab, none of the fresh-host steps: a second group, so
-# that a second worker can run them on a lab of its own beside the first (the longest chain).
-SECOND_BOOKWORM_LAB_MODULES = {"test_failpaths_lab", "test_faults", "test_verify_lab", "test_replicas_lab"}
-# The upgrade drill builds two more venvs and restarts vLLM a handful of times: a third group; the
-# switches (issue 27: every switch on, then off, then the lab put back) run there before it.
+# The bookworm lab groups. The first ("origin", lab-bookworm) converges its lab from scratch: the tests
+# that read that first converge (check mode on a fresh host, idempotence, the files it wrote) and the
+# fresh-host steps run there. Every other group needs only a converged lab: under xdist its worker starts
+# one from an image of the origin's lab (lab/nspawn.py up_from_image) and runs one real converge of its
+# own, instead of the whole first converge again; so more workers cost little more than their tests.
+ORIGIN_GROUP = "lab-bookworm"
+SECOND_BOOKWORM_LAB_MODULES = {"test_failpaths_lab", "test_faults", "test_verify_lab"}
+# The upgrade drill builds two more venvs and restarts vLLM a handful of times; the switches (issue 27:
+# every switch on, then off, then the lab put back) run there before it.
 THIRD_BOOKWORM_LAB_MODULES = {"test_upgrade_lab", "test_switches_lab"}
-# Longest chains first: the scheduler hands groups out in this order, one to each free worker.
-GROUP_ORDER = ["lab-bookworm", "lab-bookworm-b", "lab-bookworm-c", "lab-trixie", "lab-bare-bookworm",
-               "lab-bare-trixie"]
+# The receipt's key rotations: five real converges.
+FOURTH_BOOKWORM_LAB_MODULES = {"test_converge_receipt_lab"}
+# Replicas behind the router, the web UI and the chat/fetch roles: each changes what the lab serves.
+FIFTH_BOOKWORM_LAB_MODULES = {"test_replicas_lab", "test_webui", "test_chat_and_fetch_lab"}
+BOOKWORM_GROUP_SETS = {"lab-bookworm-b": SECOND_BOOKWORM_LAB_MODULES, "lab-bookworm-c": THIRD_BOOKWORM_LAB_MODULES,
+                       "lab-bookworm-d": FOURTH_BOOKWORM_LAB_MODULES, "lab-bookworm-e": FIFTH_BOOKWORM_LAB_MODULES}
+# Modules that boot small labs of their own (never converged).
+OWN_LAB_MODULES = {"test_lab_image"}
+# The order the scheduler hands groups out, one to each free worker: the origin first (the others wait
+# for its image), then every test that needs no lab (other workers run them while the origin converges),
+# then the cloned groups, longest first.
+GROUP_ORDER = [ORIGIN_GROUP, "no-lab", "lab-bookworm-e", "lab-bookworm-b", "lab-bookworm-d", "lab-bookworm-c",
+               "lab-trixie", "lab-bare-bookworm", "lab-bare-trixie"]
 
 
 RUN_TIMES = pytest.StashKey[run_times.RunTimes]()
@@ -72,13 +87,14 @@ def xdist_group_of(item: pytest.Item) -> str:
     if "apt_restored" in names:  # picks its lab at run time, by parameter
         return "lab-trixie" if params.get("apt_restored") == "trixie" else "lab-bookworm"
     if names & BOOKWORM_LAB_FIXTURES:
-        if item.module.__name__ in SECOND_BOOKWORM_LAB_MODULES:
-            return "lab-bookworm-b"
-        return "lab-bookworm-c" if item.module.__name__ in THIRD_BOOKWORM_LAB_MODULES else "lab-bookworm"
+        return next((group for group, modules in BOOKWORM_GROUP_SETS.items() if item.module.__name__ in modules),
+                    ORIGIN_GROUP)
     if names & TRIXIE_LAB_FIXTURES:
         return "lab-trixie"
     if "bare_lab" in names:
         return f"lab-bare-{params.get('bare_lab')}"
+    if item.module.__name__ in OWN_LAB_MODULES:
+        return f"lab-{item.module.__name__}"
     return item.module.__name__
 
 
@@ -104,7 +120,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     def rank(item: pytest.Item) -> int:
         group = groups[item.nodeid]
-        return GROUP_ORDER.index(group) if group in GROUP_ORDER else len(GROUP_ORDER)
+        known = group if group in GROUP_ORDER else (None if group.startswith("lab-") else "no-lab")
+        return GROUP_ORDER.index(known) if known else len(GROUP_ORDER)
 
     items.sort(key=rank)  # stable: tests keep their file order within a group
     if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker: its parent is the controller
@@ -132,6 +149,25 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return None
 
 
+# The group of the test being set up: a session fixture made for it (the lab) is the origin or a copy.
+CURRENT = {"group": ""}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    CURRENT["group"] = xdist_group_of(item)
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After the origin group's last test: if none of its selected tests converged the lab, there is no
+    image; say so, and the waiting workers converge labs of their own."""
+    if xdist_group_of(item) == ORIGIN_GROUP and (nextitem is None or xdist_group_of(nextitem) != ORIGIN_GROUP):
+        target = image_dir(this_run())
+        if clones_in_this_run() and not (target / nspawn.IMAGE_META).exists():
+            target.mkdir(parents=True, exist_ok=True)
+            (target / IMAGE_NONE).touch()
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--no-lab", action="store_true", dest="no_lab",
                      help="leave out every test that needs a lab host (invoke test --quick)")
@@ -151,6 +187,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
+    shutil.rmtree(image_dir(os.getpid()), ignore_errors=True)  # the origin lab's image, gigabytes
     groups_path = groups_file(os.getpid())
     groups = json.loads(groups_path.read_text()) if groups_path.exists() else GROUPS_SEEN
     groups_path.unlink(missing_ok=True)
@@ -347,16 +384,94 @@ def converge_three_ways(lab: Lab, timing_prefix: str = "") -> Converge:
     return Converge(before, after, check_run, first, second, third, written)
 
 
+def image_dir(controller_pid: int) -> Path:
+    """Where the origin lab's image of a run is kept (removed when the run ends)."""
+    return nspawn.CACHE_DIR / f"lab-image-{controller_pid}"
+
+
+def this_run() -> int:
+    """The run's controller PID: a worker's parent under xdist, else this process."""
+    return os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
+
+
+IMAGE_FAILED = "FAILED"
+IMAGE_NONE = "NONE"
+# How long a cloned group waits for the origin's image: the origin's boot and first converge, which
+# took 7.5 min on a loaded 2-core machine (tests/data/test-times), with room.
+IMAGE_WAIT_S = 1800
+
+
+def clones_in_this_run() -> bool:
+    """Whether other workers will start their labs from the origin's image: under xdist, when the run
+    has both the origin group and another bookworm group (their tests were written down at collection)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return False
+    path = groups_file(this_run())
+    groups = set(json.loads(path.read_text()).values()) if path.exists() else set()
+    return ORIGIN_GROUP in groups and bool(groups & set(BOOKWORM_GROUP_SETS))
+
+
 @pytest.fixture(scope="session")
 def converged(fresh_lab: Lab) -> Converge | None:
-    """--check --diff on the fresh lab, then a full converge, then a second (idempotence) run.
+    """--check --diff on the fresh lab, then a full converge, then a second (idempotence) run; then,
+    when other workers wait for it, an image of the converged lab.
 
     GPTOSS_REUSE_LAB=1 (with GPTOSS_KEEP_LAB=1 on the earlier run): the kept lab as it is, no
     converge, for rerunning single lab tests that run their own plays; tests that read the three
     runs need the full fixture."""
     if os.environ.get("GPTOSS_REUSE_LAB") == "1":
         return None
-    return converge_three_ways(fresh_lab)
+    publish = clones_in_this_run()
+    try:
+        result = converge_three_ways(fresh_lab)
+        if publish:
+            meta = nspawn.save_image(fresh_lab.name, image_dir(this_run()))
+            record_timing("lab_image_save", meta["seconds"])
+    except BaseException as exc:
+        if publish:  # the workers waiting for the image stop waiting, and say why
+            target = image_dir(this_run())
+            target.mkdir(parents=True, exist_ok=True)
+            (target / IMAGE_FAILED).write_text(f"{type(exc).__name__}: {exc}"[:2000])
+        raise
+    return result
+
+
+def lab_from_origin_image() -> Lab:
+    """This worker's lab, started from the origin's image once it is there, then converged for its own
+    address, port and model device by one real site.yml run (its receipt differs: a full converge)."""
+    directory = image_dir(this_run())
+    deadline = time.monotonic() + IMAGE_WAIT_S
+    waited = time.monotonic()
+    while not (directory / nspawn.IMAGE_META).exists():
+        if (directory / IMAGE_NONE).exists():  # the origin's selected tests never converged its lab
+            return lab_converged_on_its_own(f"{LAB_NAME}-copy")
+        if (directory / IMAGE_FAILED).exists():
+            pytest.fail(f"the origin lab's converge failed, no image to start from: "
+                        f"{(directory / IMAGE_FAILED).read_text()}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"no origin lab image in {directory} after {IMAGE_WAIT_S} s")
+        time.sleep(2)
+    record_timing(f"lab_image_wait_{os.environ.get('PYTEST_XDIST_WORKER', '')}", time.monotonic() - waited)
+    name = f"{LAB_NAME}-copy"
+    if nspawn.load_state(name) is not None:
+        nspawn.down(name)
+    started = time.monotonic()
+    state, what = nspawn.up_from_image(name, directory)
+    print(f"lab: {what}")
+    record_timing("lab_up_from_image", time.monotonic() - started)
+    lab = Lab(state)
+    result = lab.play("site.yml")
+    assert result.rc == 0, f"the copied lab's converge failed:\n{result.output[-6000:]}"
+    record_timing("lab_from_image_converge", result.seconds)
+    return lab
+
+
+def lab_converged_on_its_own(name: str) -> Lab:
+    """A fresh lab and one full converge: a cloned group's lab when the origin made no image."""
+    lab = Lab(boot_session_lab(name, nspawn.DEFAULT_RELEASE))
+    result = lab.play("site.yml")
+    assert result.rc == 0, f"converge failed:\n{result.output[-6000:]}"
+    return lab
 
 
 @pytest.fixture(scope="session")
@@ -366,8 +481,17 @@ def trixie_converged(trixie_lab: Lab) -> Converge:
 
 
 @pytest.fixture(scope="session")
-def lab(converged: Converge, fresh_lab: Lab) -> Lab:
-    return fresh_lab
+def lab(request: pytest.FixtureRequest) -> Lab:
+    """A converged bookworm lab: the origin's (fresh_lab after `converged`) for the origin group, or
+    whenever this run starts no copies (one worker, or no origin group selected); else a copy of it."""
+    if os.environ.get("GPTOSS_REUSE_LAB") == "1" or CURRENT["group"] == ORIGIN_GROUP or not clones_in_this_run():
+        request.getfixturevalue("converged")
+        return request.getfixturevalue("fresh_lab")
+    request.getfixturevalue("lab_assets")
+    lab = lab_from_origin_image()
+    if os.environ.get("GPTOSS_KEEP_LAB") != "1":
+        request.addfinalizer(lambda: nspawn.down(lab.name))
+    return lab
 
 
 class JsonHandler(BaseHTTPRequestHandler):

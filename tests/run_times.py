@@ -22,11 +22,29 @@ TIMES_DIR = Path(__file__).resolve().parent.parent / ".cache" / "test-times"
 SNAPSHOT_DIR = Path(__file__).resolve().parent / "data" / "test-times"
 
 
+def cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine since boot, from /proc/stat's first line."""
+    try:
+        fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields[:8]) - idle, sum(fields[:8])
+
+
+def cpu_busy(start: tuple[int, int], end: tuple[int, int]) -> float | None:
+    """The share of the machine's CPU time that was busy between two readings (all processes, not only
+    the suite's: whether more workers could use more of the machine, or it was already full)."""
+    total = end[1] - start[1]
+    return round((end[0] - start[0]) / total, 3) if total > 0 else None
+
+
 class RunTimes:
     """Collects the reports (on the xdist controller, or the single process) and writes the record."""
 
     def __init__(self) -> None:
         self.started = time.monotonic()
+        self.cpu_started = cpu_times()
         self.seconds: dict[str, float] = defaultdict(float)
         self.outcomes: dict[str, str] = {}
 
@@ -44,7 +62,7 @@ class RunTimes:
             counts[test["outcome"]] += 1
         return {"written_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 "wall_s": round(time.monotonic() - self.started, 1), "exit_status": exit_status,
-                "args": list(args), "workers": workers,
+                "args": list(args), "workers": workers, "cpu_busy": cpu_busy(self.cpu_started, cpu_times()),
                 "counts": dict(counts), "tests": sorted(tests, key=lambda t: -t["seconds"])}
 
     def write(self, record: dict, directory: Path = TIMES_DIR) -> Path:
@@ -66,7 +84,8 @@ def summary(record: Mapping, top: int = 15) -> str:
         per_group[test["group"]].append(test["seconds"])
     lines = [f"run of {record['written_at']}: wall {record['wall_s'] / 60:.1f} min, {record['workers']} workers, "
              f"exit {record['exit_status']}, "
-             f"{', '.join(f'{n} {k}' for k, n in sorted(record['counts'].items()))}",
+             + (f"CPU {record['cpu_busy']:.0%} busy, " if record.get("cpu_busy") is not None else "")
+             + f"{', '.join(f'{n} {k}' for k, n in sorted(record['counts'].items()))}",
              "", f"slowest {min(top, len(tests))} tests (setup + call + teardown):"]
     lines += [f"  {t['seconds']:8.1f} s  {t['outcome']:7}  {t['nodeid']}" for t in tests[:top]]
     lines += ["", "per group (sum of its tests; a group runs on one worker, in order):"]
