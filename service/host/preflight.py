@@ -21,6 +21,7 @@ The rules (memory fit, driver decision, space) are plain functions with unit tes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -31,7 +32,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ansible_collections.gptoss.host.plugins.module_utils import kernel_flags, mountinfo, version_chain
+from ansible_collections.gptoss.host.plugins.module_utils import (
+    kernel_flags,
+    monitoring_config,
+    mountinfo,
+    version_chain,
+)
 
 from service.host import nvidia
 from service.host.report import PREFLIGHT_COLUMNS, ReportRow
@@ -500,6 +506,38 @@ def python_item(cfg: dict[str, Any]) -> ReportRow:
                 "" if ok else f"python {version} is outside {requires}: use a release whose python fits")
 
 
+def dir_bytes(path: Path) -> int:
+    """Bytes of the files below `path` (0 where it does not exist yet)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += (Path(root) / name).lstat().st_size
+    return total
+
+
+def tsdb_item(cfg: dict[str, Any]) -> ReportRow:
+    """Prometheus's TSDB grows to its retention size: that much must fit where it lives (what it holds
+    already counts), and never on the model disk (validate refuses that path)."""
+    iid, title = "TSDB", "Free space for Prometheus's TSDB (retention size)"
+    if not cfg.get("enabled", False):
+        return Item(iid, title, "skip", "", "", "monitoring off, or another host runs Prometheus")
+    path = Path(str(cfg.get("storage_path") or "/var/lib/prometheus/metrics2"))
+    try:
+        need_bytes = monitoring_config.size_bytes(str(cfg.get("retention_size", "")))
+    except monitoring_config.MonitoringConfigError as err:
+        return Item(iid, title, "blocked", "", str(cfg.get("retention_size")), str(err))
+    used, free = dir_bytes(path), free_bytes(path)
+    found = f"{human_bytes(free)} free at {nearest_existing(path)}"
+    found += f", {human_bytes(used)} in {path}" if used else ""
+    need = f">= {human_bytes(need_bytes)} (monitoring_prometheus_retention_size)"
+    if free + used < need_bytes:
+        return Item(iid, title, "blocked", found, need,
+                    f"{human_bytes(need_bytes - free - used)} short: free space there, or a smaller retention size "
+                    "or another monitoring_prometheus_storage_path")
+    return Item(iid, title, "ok" if used else "will-change", found, need, "")
+
+
 # ------------------------------------------------------------------ the run
 
 
@@ -552,6 +590,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     gpu_memory = ([int(g["memory_total_bytes"]) for g in nvml["gpus"] if isinstance(g.get("memory_total_bytes"), int)]
                   if nvml.get("available") and nvml.get("gpus") else None)
     items.append(memory_fit(model, vllm_cfg.get("flags", {}), gpu_memory))
+    items.append(tsdb_item(cfg.get("monitoring", {})))
     items.append(Item("REBOOT", "Reboot needed after the converge", "will-change" if reboot else "ok",
                       ", ".join(reboot) if reboot else "no"))
     blocked = [i.id for i in items if i.status == "blocked"]

@@ -25,6 +25,13 @@ def blackbox_config(insecure):
     return monitoring_config.blackbox_config(bool(insecure))
 
 
+def htpasswd_line(password, user):
+    try:
+        return monitoring_config.htpasswd_line(str(user), str(password))
+    except monitoring_config.MonitoringConfigError as exc:
+        raise AnsibleFilterError(str(exc)) from None
+
+
 def monitoring_problems(inputs):
     return monitoring_config.problems(dict(inputs))
 
@@ -33,4 +40,4 @@ class FilterModule:
     def filters(self):
         return {"prometheus_config": prometheus_config, "prometheus_expected_targets": expected_targets,
                 "alertmanager_config": alertmanager_config, "blackbox_config": blackbox_config,
-                "monitoring_problems": monitoring_problems}
+                "monitoring_problems": monitoring_problems, "htpasswd_line": htpasswd_line}

@@ -11,6 +11,8 @@ node, gpu, prometheus, alertmanager and blackbox_health.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import posixpath
 import re
 from typing import Any
@@ -189,3 +191,15 @@ def problems(inputs: dict) -> list[str]:
             found.append(f"monitoring_publish_password: {MIN_EXPOSED_KEY_LENGTH}+ characters (e.g. from ansible-vault) "
                          f"guard Prometheus beyond loopback; {have} given")
     return found
+
+
+def htpasswd_line(user: str, password: str) -> str:
+    """nginx's auth_basic_user_file line in its {SSHA} scheme (salted SHA-1, which nginx reads natively).
+
+    The salt is derived from the user and password, so an unchanged password writes the same file (a
+    second converge changes nothing); the file is root:www-data 0640 and the password a vault value."""
+    if not user or ":" in user or "\n" in user + password:
+        raise MonitoringConfigError("monitoring_publish_user/password: no ':' in the user, no newline in either")
+    salt = hashlib.sha256(f"gptoss-htpasswd\0{user}\0{password}".encode()).digest()[:8]
+    digest = hashlib.sha1(password.encode() + salt).digest()  # noqa: S324 - nginx's {SSHA} scheme is SHA-1
+    return f"{user}:{{SSHA}}{base64.b64encode(digest + salt).decode()}\n"
