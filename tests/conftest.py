@@ -63,8 +63,8 @@ FOURTH_BOOKWORM_LAB_MODULES = {"test_converge_receipt_lab"}
 FIFTH_BOOKWORM_LAB_MODULES = {"test_replicas_lab", "test_webui", "test_chat_and_fetch_lab"}
 BOOKWORM_GROUP_SETS = {"lab-bookworm-b": SECOND_BOOKWORM_LAB_MODULES, "lab-bookworm-c": THIRD_BOOKWORM_LAB_MODULES,
                        "lab-bookworm-d": FOURTH_BOOKWORM_LAB_MODULES, "lab-bookworm-e": FIFTH_BOOKWORM_LAB_MODULES}
-# Modules that boot small labs of their own (never converged).
-OWN_LAB_MODULES = {"test_lab_image"}
+# Modules that boot labs of their own: a group each (and none of them in `invoke test --quick`).
+OWN_LAB_MODULES = {"test_lab_image", "test_fleet_lab"}
 # The order the scheduler hands groups out, one to each free worker: the origin first (the others wait
 # for its image), then every test that needs no lab (other workers run them while the origin converges),
 # then the cloned groups, longest first.
