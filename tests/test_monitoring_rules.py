@@ -9,8 +9,9 @@
   `node_` in tests/data/node-exporter-1.5-metrics.txt (Debian 12's binary run on a bookworm lab with
   --collector.systemd --collector.systemd.enable-restarts-metrics, one sample per family kept) and
   `probe_` in tests/data/blackbox-0.23-probe.txt (Debian 12's blackbox /probe of an https target).
-- Every PromQL expression of the pages and the dashboard passes promtool, and the pages render on a real
-  Prometheus 2.42 (its console template engine) without a template error.
+- Every PromQL expression of the pages and the dashboard passes promtool. A real Prometheus 2.42 scrapes
+  the captured vLLM /metrics (and a dead unit): every rule evaluates without error, VllmDown goes pending
+  for the dead one, and the pages render the real figures (its console template engine, no error).
 
 promtool and prometheus come from `invoke promtool` (.cache/tools; `invoke test` runs it first).
 """
@@ -18,12 +19,14 @@ promtool and prometheus come from `invoke promtool` (.cache/tools; `invoke test`
 from __future__ import annotations
 
 import html
+import http.server
 import json
 import re
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -336,13 +339,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class CaptureHandler(http.server.BaseHTTPRequestHandler):
+    """Serves the real vLLM's captured /metrics, as the unit would."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        body = VLLM_CAPTURE.read_bytes()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
 @pytest.fixture(scope="module")
-def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real Prometheus 2.42 serving the role's console pages and libraries (nothing scraped)."""
+def prometheus(rules_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real Prometheus 2.42 with the rendered rules and the role's console pages and libraries, scraping
+    the captured vLLM /metrics as h1's gptoss-vllm.service and a dead port as its gptoss-vllm@1.service."""
     if not PROMETHEUS.exists():
         pytest.fail(f"{PROMETHEUS} missing: run `invoke promtool`")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), CaptureHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
     work = tmp_path_factory.mktemp("prometheus")
-    (work / "prometheus.yml").write_text("global: {scrape_interval: 15s}\n")
+    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+              "rule_files": [str(rules_dir / RULES_FILE)],
+              "scrape_configs": [{"job_name": "vllm", "static_configs": [
+                  {"targets": [f"127.0.0.1:{server.server_address[1]}"],
+                   "labels": {"host": "h1", "unit": "gptoss-vllm.service"}},
+                  {"targets": [f"127.0.0.1:{free_port()}"],
+                   "labels": {"host": "h1", "unit": "gptoss-vllm@1.service"}}]}]}
+    (work / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
     log = (work / "log").open("w")
     proc = subprocess.Popen([str(PROMETHEUS), f"--config.file={work / 'prometheus.yml'}",
@@ -360,11 +387,37 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     pytest.fail(f"prometheus did not start: {(work / 'log').read_text()[-2000:]}")
                 time.sleep(0.3)
+        # Until both targets were scraped and the rules evaluated on them (and VllmDown went pending).
+        while not (api(f"{url}/api/v1/query?query=host_unit:vllm_requests_running:sum")["result"]
+                   and api(f"{url}/api/v1/alerts")["alerts"]):
+            if time.monotonic() > deadline:
+                pytest.fail(f"no rule evaluated on the scraped series: {(work / 'log').read_text()[-2000:]}")
+            time.sleep(0.5)
         yield url
     finally:
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+        server.shutdown()
+
+
+def api(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.loads(resp.read())["data"]
+
+
+def test_the_rules_evaluate_on_prometheus_against_the_real_vllm_metrics(prometheus: str) -> None:
+    """Every rule loads and evaluates without error on the real exposition (its labels: engine,
+    model_name); the vLLM figures are recorded and the dead unit's VllmDown is pending."""
+    rules = [r for g in api(f"{prometheus}/api/v1/rules")["groups"] for r in g["rules"]]
+    running = api(f"{prometheus}/api/v1/query?query=host_unit:vllm_requests_running:sum")["result"]
+    alerts = api(f"{prometheus}/api/v1/alerts")["alerts"]
+    assert [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"] == []
+    assert len(rules) >= 30
+    assert [(s["metric"], s["value"][1]) for s in running] == [({"__name__": "host_unit:vllm_requests_running:sum",
+                                                                  "host": "h1", "unit": "gptoss-vllm.service"}, "0")]
+    assert [(a["labels"]["alertname"], a["labels"]["unit"], a["state"]) for a in alerts] == [
+        ("VllmDown", "gptoss-vllm@1.service", "pending")]
 
 
 @pytest.mark.parametrize("page", [p.name for p in CONSOLES])
@@ -376,3 +429,6 @@ def test_console_page_renders_on_prometheus(prometheus: str, page: str) -> None:
         pytest.fail(f"{page}: HTTP {exc.code}: {exc.read().decode()[:2000]}")
     assert "error executing template" not in body and "<html" in body
     assert "PromConsole.Graph" in body
+    # The real series reached the page: h1 is listed and its units-up figure is a number, not "-".
+    assert re.search(r'href="gptoss.html\?host=h1"', body), body[:3000]
+    assert re.search(r"sum%28up%7Bjob%3D%27vllm%27%2Chost%3D%27h1%27%7D%29[^>]*>\s*1\s*<", body), body[:6000]
