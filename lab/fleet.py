@@ -64,7 +64,9 @@ def inventory(name: str) -> dict:
                 router_url = f"http://{hostvars['gptoss_lab_address']}:8100"
                 hostvars = {**hostvars, "router_enabled": True, "router_workers_group": "gptoss_hosts"}
                 merged["fleet_router"]["hosts"].append(host)
-            merged["_meta"]["hostvars"][host] = {**hostvars, "vllm_service_drain_router_url": router_url}
+            # One Prometheus (on the router's host) scrapes every member (docs/monitoring.md, "A fleet").
+            merged["_meta"]["hostvars"][host] = {**hostvars, "vllm_service_drain_router_url": router_url,
+                                                 "monitoring_fleet_group": "gptoss_hosts"}
             merged["lab"]["hosts"].append(host)
         for group, body in part.items():
             if group.startswith("lab_"):
