@@ -328,21 +328,32 @@ def test_fake_pynvml_error_path_mon004_compares_both_views_through_the_one_reade
 # ------------------------------------------------------------------ its venv, by the project's one venv builder
 
 
-def test_the_exporter_venv_is_built_by_vllm_venv_from_the_wheelhouse_and_runs_the_exporter(lab_assets, tmp_path):
+@pytest.fixture(scope="module")
+def wheelhouse() -> Path:
+    """The offline wheelhouse with the exporter's wheels (`invoke lab.wheelhouse`; cached, one worker at a time)."""
+    from conftest import run_invoke
+
+    from lab import nspawn
+
+    with nspawn.file_lock(nspawn.CACHE_DIR / "lab-assets.lock"):
+        result = run_invoke("lab.wheelhouse")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return nspawn.WHEELHOUSE_DIR
+
+
+def test_the_exporter_venv_is_built_by_vllm_venv_from_the_wheelhouse_and_runs_the_exporter(wheelhouse, tmp_path):
     """gptoss.host.vllm_venv with the role's inputs (pins from roles/monitoring/defaults/main/gpu_exporter.yml,
     the lab's offline wheelhouse): check mode changes nothing, the build imports both modules, a second run
     is unchanged, no pointer is made, and the venv's python runs the exporter."""
     import yaml
     from conftest import run_ansible_module
 
-    from lab import nspawn
-
     defaults = yaml.safe_load((ROOT / "roles/monitoring/defaults/main/gpu_exporter.yml").read_text())
     args = {"package": defaults["monitoring_gpu_exporter_package"],
             "version": defaults["monitoring_gpu_exporter_version"],
             "requirements": defaults["monitoring_gpu_exporter_requirements"],
             "import_check": ["prometheus_client", "pynvml"],
-            "pip_args": ["--no-index", "--find-links", str(nspawn.WHEELHOUSE_DIR)], "system_python": sys.executable,
+            "pip_args": ["--no-index", "--find-links", str(wheelhouse)], "system_python": sys.executable,
             "venvs_dir": str(tmp_path / "venvs"), "pointer": "", "point_if_absent": False, "min_free_mib": 200}
     planned = run_ansible_module("vllm_venv", args, "--check")
     assert planned["changed"] and not planned["failed"] and not (tmp_path / "venvs").exists()
