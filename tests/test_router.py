@@ -217,3 +217,20 @@ def test_vllm_change_refuses_an_unknown_drain_policy_before_anything():
         "drain": {"router_url": "http://127.0.0.1:9", "worker_url": "http://127.0.0.1:9", "on_timeout": "wait"}})
     assert result["failed"] and result["msg"] == ("drain.on_timeout: 'wait' is not one of abort, proceed; "
                                                   "nothing was changed"), result
+
+
+def test_a_serving_unit_that_an_earlier_failure_left_out_is_listed_again():
+    from ansible_collections.gptoss.host.plugins.module_utils import router_drain
+
+    fake = RouterAndWorker(0)
+    try:
+        fake.workers.clear()  # left out by an earlier failed change
+        assert router_drain.ensure_listed(fake.url, fake.url) == {"listed": True, "added": True}
+        assert fake.workers == [fake.url]
+        assert router_drain.ensure_listed(fake.url, fake.url) == {"listed": True, "added": False}
+        assert fake.calls == ["/add_worker"]  # once
+    finally:
+        fake.close()
+    # The first converge: no router yet (it starts with every worker), nothing to add.
+    assert router_drain.ensure_listed("http://127.0.0.1:9", "http://127.0.0.1:9") == {"listed": False,
+                                                                                       "router": "not running"}

@@ -119,6 +119,20 @@ def describe(result: dict) -> str:
             f"(on_timeout={result.get('on_timeout')}: the restart cut them)")
 
 
+def ensure_listed(router_url: str, worker_url: str) -> dict:
+    """A unit that serves belongs in the router (the router's config names it; RTR-001 checks it),
+    whether or not it was listed before this change: a host an earlier failure left out comes back with
+    the next change that has it serving. A router that is not running yet (the first converge starts it
+    with every worker) is left alone."""
+    try:
+        was_listed = worker_url in listed(router_url)
+    except DrainError as exc:
+        if isinstance(getattr(exc.__cause__, "reason", exc.__cause__), ConnectionRefusedError):
+            return {"listed": False, "router": "not running"}
+        raise
+    return dict(put_back(router_url, worker_url), added=not was_listed)
+
+
 def put_back(router_url: str, worker_url: str) -> dict:
     """Add the unit to the router again and confirm the router lists it."""
     if worker_url not in listed(router_url):

@@ -77,10 +77,12 @@ options:
         (the default) puts the unit back into the router and fails, nothing changed; C(proceed) restarts
         anyway and reports the requests it cut (drain.cut). Either way the result says how many were in
         flight when it moved on (drain.in_flight, drain.summary).
-      - After the gate passes the unit is added back. On any failure after the drain, the unit goes back
-        into the router when the undo has it serving again (the previous configuration passed the gate,
-        or the server was never restarted); a unit that does not serve stays out of the router (the rest
-        keep serving, verify RTR-001 fails) and the message says which. Empty - no router.
+      - After the gate passes the unit is in the router (added when missing, also when an earlier failure
+        had left it out). On any failure after the drain, the unit goes back into the router when the undo
+        has it serving again (the previous configuration passed the gate, or the server was never
+        restarted); a unit that does not serve stays out of the router (the rest keep serving, verify
+        RTR-001 fails) and the message says which. A router that is not running yet is left alone.
+        Empty - no router.
     type: dict
     default: {}
 author: gptoss-host
@@ -453,9 +455,13 @@ class Transaction:
         except Exception as exc:  # noqa: BLE001 - any failure after the drain is undone, router membership too
             self.undo(str(exc) if isinstance(exc, (ChangeFailed, OSError, RuntimeError))
                       else f"{type(exc).__name__}: {exc}", state, result)
-        if result.get("drain", {}).get("was_listed"):
+        if drain:  # serving: in the router, also when an earlier failure had left it out
             try:
-                result["drain"].update(router_drain.put_back(drain["router_url"], drain["worker_url"]))
+                taken = result.setdefault("drain", {})
+                taken.update(router_drain.ensure_listed(drain["router_url"], drain["worker_url"]))
+                if taken.get("added") and not taken.get("was_listed"):
+                    taken["summary"] = "; ".join(filter(None, [taken.get("summary"), "added to the router "
+                                                               "(it was not listed)"]))
             except router_drain.DrainError as exc:
                 self.module.fail_json(msg=f"vllm_change: serving with the new configuration, but not back in "
                                           f"the router: {exc}", **{k: v for k, v in result.items() if k != "diff"})
@@ -552,20 +558,22 @@ class Transaction:
     def router_after_undo(self, result: dict, serving_again: bool) -> list[str]:
         """The router membership is part of what an undo restores: back in when the unit serves again,
         out (and said, verify RTR-001 fails) when it does not."""
-        drain, taken = self.params["drain"] or {}, result.get("drain", {})
-        if not taken.get("was_listed"):
+        drain, taken = self.params["drain"] or {}, result.setdefault("drain", {})
+        if not drain:
             return []
         where = f"{drain['worker_url']} in the router {drain['router_url']}"
         if not serving_again:
+            if not taken.get("was_listed"):
+                return []
             taken["listed"] = False
             return [f"NOT back {where}: it does not serve (the other workers keep serving; verify RTR-001 "
                     "fails until a converge or a rollback has it serving and puts it back)."]
         try:
-            taken.update(router_drain.put_back(drain["router_url"], drain["worker_url"]))
+            taken.update(router_drain.ensure_listed(drain["router_url"], drain["worker_url"]))
         except router_drain.DrainError as exc:
             taken["listed"] = False
             return [f"serving again but NOT back {where}: {exc} (verify RTR-001 fails until it is)."]
-        return [f"back {where}: yes."]
+        return [] if taken.get("router") == "not running" else [f"back {where}: yes."]
 
 
 HISTORY_KEPT = 10
