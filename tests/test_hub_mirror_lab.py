@@ -120,7 +120,9 @@ def test_hf_source_downloads_serves_verifies_then_changes_nothing(lab: Lab, hub)
                                     check=False).stdout)
         by_id = {r["id"]: r for r in report["results"]}
         assert by_id["MDL-001"]["status"] == "pass" and HUB_DIR in json.dumps(by_id["MDL-001"]), by_id["MDL-001"]
-        failed = [r for r in report["results"] if r["status"] == "fail"]
+        # The lab's waived checks (inventory/lab-waivers.json: what a container cannot show) aside.
+        waived = {w["id"] for w in json.loads((ROOT / "inventory" / "lab-waivers.json").read_text())}
+        failed = [r for r in report["results"] if r["status"] == "fail" and r["id"] not in waived]
         assert not failed, failed
         served = lab.sh("systemctl show -p ExecStart --value gptoss-vllm.service")
         assert HUB_DIR in served, served
