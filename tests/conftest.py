@@ -57,7 +57,7 @@ SECOND_BOOKWORM_LAB_MODULES = {"test_failpaths_lab", "test_faults", "test_verify
 # The upgrade drill builds two more venvs and restarts vLLM a handful of times; the switches (issue 27:
 # every switch on, then off, then the lab put back) run there before it.
 # The hub mirror (issue 26: olah on the controller, model_weights runs, vLLM moved and put back) first.
-THIRD_BOOKWORM_LAB_MODULES = {"test_upgrade_lab", "test_switches_lab", "test_hub_mirror_lab"}
+THIRD_BOOKWORM_LAB_MODULES = {"test_upgrade_lab", "test_switches_lab", "test_hub_mirror_lab", "test_monitoring_lab"}
 # The receipt's key rotations: five real converges.
 FOURTH_BOOKWORM_LAB_MODULES = {"test_converge_receipt_lab"}
 # Replicas behind the router, the web UI and the chat/fetch roles: each changes what the lab serves.
