@@ -353,7 +353,9 @@ class Converge:
 
 # Where a converge's own bookkeeping and the system's runtime state go, never what a role manages.
 NOT_CONVERGE_STATE = ("/proc/", "/sys/", "/dev/", "/run/", "/tmp/", "/var/tmp/", "/var/log/", "/var/cache/",
-                      "/var/lib/systemd/", "/var/lib/apt/", "/var/lib/dpkg/", "/root/", "/var/lib/sudo/")
+                      "/var/lib/systemd/", "/var/lib/apt/", "/var/lib/dpkg/", "/root/", "/var/lib/sudo/",
+                      # Prometheus's TSDB and Alertmanager's state: what the services write while they run.
+                      "/var/lib/prometheus/")
 
 
 def files_written_since(lab: Lab, marker: str) -> list[str]:
