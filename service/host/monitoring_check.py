@@ -88,7 +88,8 @@ def firing(prometheus: str, alertmanager_url: str, timeout: float) -> dict[str, 
     out: dict[str, Any] = {"prometheus": prometheus, "alerts": [
         {"name": a["labels"].get("alertname", "?"), "state": a.get("state"), "since": a.get("activeAt", ""),
          "labels": {k: v for k, v in a["labels"].items() if k != "alertname"},
-         "summary": (a.get("annotations") or {}).get("summary", "")} for a in alerts]}
+         "summary": (a.get("annotations") or {}).get("summary") or (a.get("annotations") or {}).get("description", "")}
+        for a in alerts]}
     if alertmanager_url:
         try:
             held = get_json(alertmanager_url.rstrip("/") + "/api/v2/alerts?active=true&silenced=false", timeout)
