@@ -765,26 +765,29 @@ def check_router(ctx: Context) -> CheckResult:
 MONITORING_ERRORS = (OSError, urllib.error.URLError, ValueError, KeyError)
 
 
-def _scraped_elsewhere(ctx: Context, cid: str, title: str, url_key: str) -> CheckResult | None:
-    """On a fleet member, Prometheus and Alertmanager run on the server host: the check runs there."""
-    role = ctx.role("monitoring")
-    if role.get(url_key):
-        return None
-    return CheckResult(cid, title, "skip", "", "", f"scraped by the Prometheus on {role.get('server', '?')}")
+def _ask_monitoring(ctx: Context, cid: str, title: str, url: str, want: str, what: str,
+                    ask: Callable[[str], dict[str, Any]]) -> tuple[dict[str, Any], CheckResult | None]:
+    """(the API's answer, None), or (None-like, the row to report): skip on a fleet member (Prometheus and
+    Alertmanager run on the server host, where the check runs), fail when the API does not answer."""
+    if not url:
+        server = ctx.role("monitoring").get("server", "?")
+        return {}, CheckResult(cid, title, "skip", "", "", f"scraped by the Prometheus on {server}")
+    try:
+        return ask(url), None
+    except MONITORING_ERRORS as err:
+        return {}, CheckResult(cid, title, "fail", want, "no answer", f"{what} at {url}: {err}")
 
 
 def check_prometheus_targets(ctx: Context) -> CheckResult:
     """Prometheus answers and every target the role configured is up (its last scrape succeeded)."""
     cid, title = "MON-001", "Prometheus up, every expected target up"
     role = ctx.role("monitoring")
-    if skipped := _scraped_elsewhere(ctx, cid, title, "prometheus_url"):
-        return skipped
     expected = [str(t) for t in role.get("expected_targets", [])]
     want = f"{len(expected)} targets up"
-    try:
-        found = monitoring_check.targets(str(role["prometheus_url"]), expected, max(ctx.timeout, 5.0))
-    except MONITORING_ERRORS as err:
-        return CheckResult(cid, title, "fail", want, "no answer", f"Prometheus at {role['prometheus_url']}: {err}")
+    found, row = _ask_monitoring(ctx, cid, title, str(role.get("prometheus_url", "")), want, "Prometheus",
+                                 lambda url: monitoring_check.targets(url, expected, max(ctx.timeout, 5.0)))
+    if row:
+        return row
     reason = "; ".join([f"down: {key} ({error})" for key, error in found["down"].items()]
                        + [f"not configured in the running Prometheus: {key}" for key in found["missing"]])
     ok = not found["down"] and not found["missing"]
@@ -796,15 +799,13 @@ def check_prometheus_rules(ctx: Context) -> CheckResult:
     """Every rule file the role wrote is loaded, no rule fails to evaluate, no configuration waits for a reload."""
     cid, title = "MON-002", "Rules loaded, no evaluation errors"
     role = ctx.role("monitoring")
-    if skipped := _scraped_elsewhere(ctx, cid, title, "prometheus_url"):
-        return skipped
     files = [str(f) for f in role.get("rule_files", [])]
+    inputs = [str(p) for p in role.get("inputs", [])]
     want = f"{len(files)} rule file(s) loaded, no rule failing, no reload pending"
-    try:
-        found = monitoring_check.rules(str(role["prometheus_url"]), files, [str(p) for p in role.get("inputs", [])],
-                                       max(ctx.timeout, 5.0))
-    except MONITORING_ERRORS as err:
-        return CheckResult(cid, title, "fail", want, "no answer", f"Prometheus at {role['prometheus_url']}: {err}")
+    found, row = _ask_monitoring(ctx, cid, title, str(role.get("prometheus_url", "")), want, "Prometheus",
+                                 lambda url: monitoring_check.rules(url, files, inputs, max(ctx.timeout, 5.0)))
+    if row:
+        return row
     reason = "; ".join([f"not loaded: {f}" for f in found["not_loaded"]]
                        + [f"failing: {name}: {error}" for name, error in found["failing"].items()]
                        + [f"changed since the last reload: {f}" for f in found["reload_pending"]]
@@ -817,19 +818,19 @@ def check_alertmanager(ctx: Context) -> CheckResult:
     """Alertmanager answers, and its running configuration holds every receiver the role configured."""
     cid, title = "MON-003", "Alertmanager up with the configured receiver"
     role = ctx.role("monitoring")
-    if skipped := _scraped_elsewhere(ctx, cid, title, "alertmanager_url"):
-        return skipped
     receivers = [str(r) for r in role.get("receivers", [])]
     want = ", ".join(receivers) or "no receiver"
-    try:
-        found = monitoring_check.alertmanager(str(role["alertmanager_url"]), receivers, max(ctx.timeout, 5.0))
-    except MONITORING_ERRORS as err:
-        return CheckResult(cid, title, "fail", want, "no answer", f"Alertmanager at {role['alertmanager_url']}: {err}")
+    found, row = _ask_monitoring(ctx, cid, title, str(role.get("alertmanager_url", "")), want, "Alertmanager",
+                                 lambda url: monitoring_check.alertmanager(url, receivers, max(ctx.timeout, 5.0)))
+    if row:
+        return row
     reason = "; ".join(f"receiver not in the running configuration: {r}" for r in found["missing"])
     if not receivers:
         reason = "no receiver configured: alerts go nowhere"
     return CheckResult(cid, title, "fail" if reason else "pass", want,
                        f"Alertmanager {found['version']} (cluster {found['cluster']})", reason)
+
+
 def check_gpu_exporter(ctx: Context) -> CheckResult:
     """The exporter's GPU count and NVML state against NVML's, read here through the same reader; where
     neither sees NVML (no driver: the lab) it skips as the GPU checks do (fails where require_gpu)."""
