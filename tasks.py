@@ -546,11 +546,12 @@ def promtool(c):
 
 
 @task(help={"k": "pytest -k expression", "args": "extra pytest arguments",
-            "workers": "pytest-xdist workers (default 2; 0 = one process). Tests that share a lab, or a "
-                       "module's fixtures, stay on one worker (tests/conftest.py: xdist_group_of)",
+            "workers": "pytest-xdist workers (default 3; 0 = one process). Tests that share a lab, or a "
+                       "module's fixtures, stay on one worker (tests/conftest.py: xdist_group_of); each "
+                       "worker past the first starts its lab from the first one's image",
             "drills": "also run the long lab drills (pytest marker 'drill'), left out by default",
             "quick": "the inner loop: lint, then every test that needs no lab host (no lab is booted)"})
-def test(c, k="", args="", workers=2, drills=False, quick=False):
+def test(c, k="", args="", workers=3, drills=False, quick=False):
     """The whole test suite: lint, unit tests, real vLLM tests and the lab tests (what CI runs).
 
     Every run records each test's time (.cache/test-times/, `invoke test-times`)."""
@@ -561,8 +562,9 @@ def test(c, k="", args="", workers=2, drills=False, quick=False):
     if not quick:
         lab_model(c)
     selection = (f"-k '{k}'" if k else "") + ("" if drills else " -m 'not drill'") + (" --no-lab" if quick else "")
-    # Two workers: the session lab's tests (the longest chain) run beside everything else; the caches
-    # above are built before the workers start, so they never race for them.
+    # Three workers on two cores: a lab test mostly waits (vLLM starting, a converge over SSH), and a
+    # worker's lab is a copy of the first one's converged lab (tests/conftest.py). The caches above are
+    # built before the workers start, so they never race for them.
     parallel = f"-n {int(workers)} --dist loadgroup --no-loadscope-reorder" if int(workers) > 1 else "-n 0"
     c.run(f"{ROOT}/.venv/bin/pytest -ra --durations=40 {parallel} {selection} {args}", pty=False)
 

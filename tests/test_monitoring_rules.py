@@ -21,8 +21,10 @@ from __future__ import annotations
 import html
 import http.server
 import json
+import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -37,6 +39,7 @@ import pytest
 import yaml
 from ansible_collections.gptoss.host.plugins.module_utils.mountinfo import mount_point_of
 
+from service.host import monitoring_check
 from service.venv.gpu_exporter import FAMILY_NAMES as GPU_FAMILIES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -353,6 +356,10 @@ class CaptureHandler(http.server.BaseHTTPRequestHandler):
         pass
 
 
+# The Prometheus process of each URL the fixture below yields (a test sends it a reload).
+RUNNING: dict[str, subprocess.Popen] = {}
+
+
 @pytest.fixture(scope="module")
 def prometheus(rules_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real Prometheus 2.42 with the rendered rules and the role's console pages and libraries, scraping
@@ -377,6 +384,7 @@ def prometheus(rules_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
                              f"--web.console.templates={ROLE / 'files' / 'consoles'}",
                              f"--web.console.libraries={CONSOLE_LIBRARIES}"], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    RUNNING[url] = proc
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -418,6 +426,24 @@ def test_the_rules_evaluate_on_prometheus_against_the_real_vllm_metrics(promethe
                                                                   "host": "h1", "unit": "gptoss-vllm.service"}, "0")]
     assert [(a["labels"]["alertname"], a["labels"]["unit"], a["state"]) for a in alerts] == [
         ("VllmDown", "gptoss-vllm@1.service", "pending")]
+
+
+def test_verify_reads_the_last_reload_live_from_the_server(prometheus: str, rules_dir: Path) -> None:
+    """MON-002's "no reload pending" (service/host/monitoring_check.rules) on the real server. This one has
+    no self-scrape job, so its TSDB holds no reload timestamp at all: the check must read it live from
+    /metrics (a TSDB sample lags a scrape interval, and a copied data folder holds another instance's).
+    A rule file written after the last reload is pending until the next one."""
+    rule_file = str(rules_dir / RULES_FILE)
+    assert monitoring_check.rules(prometheus, [rule_file], [], timeout=10)["reload_pending"] == []
+    time.sleep(1.1)  # the server keeps whole seconds
+    os.utime(rule_file)  # written after the last reload
+    assert monitoring_check.rules(prometheus, [rule_file], [], timeout=10)["reload_pending"] == [rule_file]
+    time.sleep(1.1)
+    RUNNING[prometheus].send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 30
+    while monitoring_check.rules(prometheus, [rule_file], [], timeout=10)["reload_pending"]:
+        assert time.monotonic() < deadline, "the reload never cleared the pending rule file"
+        time.sleep(0.5)
 
 
 @pytest.mark.parametrize("page", [p.name for p in CONSOLES])

@@ -18,7 +18,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from ansible_collections.gptoss.host.plugins.module_utils import verify_contract
+from ansible_collections.gptoss.host.plugins.module_utils import prom_text, verify_contract
 
 # A target not scraped yet (Prometheus just (re)started) reads "unknown": wait up to this long for a verdict.
 FIRST_SCRAPE_WAIT_S = 30.0
@@ -55,6 +55,17 @@ def targets(base: str, expected: list[str], timeout: float, wait_s: float = FIRS
     }
 
 
+def last_reload(base: str, timeout: float) -> float:
+    """When this Prometheus last loaded its configuration, from its own /metrics: live, unlike a query of
+    its TSDB, whose newest sample is up to a scrape interval old (a reload just now would read as pending)
+    and which may hold other series of that name (a restored or copied data folder: another instance's)."""
+    with urllib.request.urlopen(base.rstrip("/") + "/metrics", timeout=timeout) as response:
+        text = response.read().decode("utf-8", "replace")
+    values = [value for name, _, value in prom_text.samples(text)
+              if name == "prometheus_config_last_reload_success_timestamp_seconds"]
+    return values[0] if values else 0.0
+
+
 def rules(base: str, rule_files: list[str], inputs: list[str], timeout: float) -> dict[str, Any]:
     """Rule files loaded, rules whose evaluation fails, and files changed since the last good reload."""
     groups = prometheus_data(base, "/api/v1/rules", timeout)["groups"]
@@ -62,9 +73,7 @@ def rules(base: str, rule_files: list[str], inputs: list[str], timeout: float) -
     failing = {f"{g.get('name')}/{r.get('name')}": r.get("lastError") or r.get("health")
                for g in groups for r in g.get("rules", []) if r.get("health") == "err"}
     flags = prometheus_data(base, "/api/v1/status/flags", timeout)
-    query = urllib.parse.quote("prometheus_config_last_reload_success_timestamp_seconds")
-    result = prometheus_data(base, f"/api/v1/query?query={query}", timeout)["result"]
-    reloaded_at = float(result[0]["value"][1]) if result else 0.0
+    reloaded_at = last_reload(base, timeout)
     watched = [flags.get("config.file", "")] + list(rule_files)
     pending = sorted(path for path in watched if path and os.path.exists(path) and os.stat(path).st_mtime > reloaded_at)
     return {"groups": len(groups), "rules": sum(len(g.get("rules", [])) for g in groups),
