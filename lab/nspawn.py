@@ -19,6 +19,7 @@ import socket
 import subprocess
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -611,21 +612,32 @@ def up(name: str, release: str | None = None) -> tuple[LabState, str]:
     tarball, cached = ensure_rootfs_cache(release)
     t_rootfs = time.monotonic() - t0
     state = _new_state(name, release)
-    try:
+
+    def populate() -> None:
         create_root_disk(state, tarball)
         configure_rootfs(state)
         state.loop_device = create_model_disk(state)
         state.extra.update({"rootfs_cached": cached, "rootfs_seconds": round(t_rootfs, 1)})
+
+    total = _populate_and_boot(state, populate, t0)
+    how = f"cached {release} rootfs" if cached else f"fresh {release} debootstrap"
+    return state, f"lab up in {total}s ({how} {t_rootfs:.1f}s, boot {state.boot_seconds}s)"
+
+
+def _populate_and_boot(state: LabState, populate: Callable[[], None], started: float, first_unit: str = "") -> float:
+    """Write a new lab's disks (`populate`) and boot it; on any failure the half-made lab is removed.
+    Returns the seconds since `started`."""
+    try:
+        populate()
         state.save()
-        boot(state)
+        boot(state, first_unit=first_unit)
     except BaseException:
         destroy(state)
         raise
-    total = round(time.monotonic() - t0, 1)
+    total = round(time.monotonic() - started, 1)
     state.extra["up_seconds"] = total
     state.save()
-    how = f"cached {release} rootfs" if cached else f"fresh {release} debootstrap"
-    return state, f"lab up in {total}s ({how} {t_rootfs:.1f}s, boot {state.boot_seconds}s)"
+    return total
 
 
 def _new_state(name: str, release: str) -> LabState:
@@ -705,7 +717,8 @@ def up_from_image(name: str, directory: Path) -> tuple[LabState, str]:
     started = time.monotonic()
     state = _new_state(name, meta["release"])
     state.extra["cloned_from"] = meta["lab"]
-    try:
+
+    def populate() -> None:
         create_root_disk(state, directory / IMAGE_ROOT_TAR)
         for key in (state.root / "etc/ssh").glob("ssh_host_*"):
             key.unlink()  # the origin's host keys: configure_rootfs makes this lab's own
@@ -714,14 +727,8 @@ def up_from_image(name: str, directory: Path) -> tuple[LabState, str]:
         (state.root / "etc/systemd/system" / CLONE_FIRST_TARGET).write_text(CLONE_FIRST_TARGET_UNIT)
         run(["cp", "--sparse=always", str(directory / IMAGE_MODEL_DISK), str(state.disk_image)])
         state.loop_device = attach_loop(state.disk_image)
-        state.save()
-        boot(state, first_unit=CLONE_FIRST_TARGET)
-    except BaseException:
-        destroy(state)
-        raise
-    total = round(time.monotonic() - started, 1)
-    state.extra["up_seconds"] = total
-    state.save()
+
+    total = _populate_and_boot(state, populate, started, first_unit=CLONE_FIRST_TARGET)
     return state, f"lab up in {total}s from the image of {meta['lab']!r} (boot {state.boot_seconds}s)"
 
 
