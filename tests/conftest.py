@@ -424,6 +424,10 @@ def converged(fresh_lab: Lab) -> Converge | None:
     runs need the full fixture."""
     if os.environ.get("GPTOSS_REUSE_LAB") == "1":
         return None
+    if CURRENT["group"] != ORIGIN_GROUP and clones_in_this_run():
+        # A copied lab's worker: the three runs are the origin's (test_foundation reads them there);
+        # without this a second lab would be booted here and converged from scratch.
+        return None
     publish = clones_in_this_run()
     try:
         result = converge_three_ways(fresh_lab)
