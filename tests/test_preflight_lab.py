@@ -93,7 +93,7 @@ def test_preflight_reports_every_item_for_the_bare_lab(preflight_run, bare_lab: 
     reports = json.loads(result.stdout)
     report = reports[bare_lab.state.machine_name]
     found = items(report)
-    assert list(found) == ["OS", "GPU", "DRV", "KRN", "DISK", "VENV", "PY", "MEM", "REBOOT"]
+    assert list(found) == ["OS", "GPU", "DRV", "KRN", "DISK", "VENV", "PY", "MEM", "TSDB", "REBOOT"]
     release = bare_lab.state.release
     pretty_name, archive_branch = RELEASES[release]
     assert pretty_name in found["OS"]["found"]
