@@ -18,7 +18,7 @@ import re
 from typing import Any
 
 from ansible_collections.gptoss.host.plugins.module_utils.loopback import is_loopback
-from ansible_collections.gptoss.host.plugins.module_utils.unit_inputs import MIN_EXPOSED_KEY_LENGTH
+from ansible_collections.gptoss.host.plugins.module_utils.unit_inputs import MIN_EXPOSED_KEY_LENGTH, port_number
 
 # Prometheus's own grammar for durations (model.ParseDuration) and sizes (units.Base2Bytes).
 DURATION = re.compile(r"^((\d+)y)?((\d+)w)?((\d+)d)?((\d+)h)?((\d+)m)?((\d+)s)?((\d+)ms)?$")
@@ -44,13 +44,10 @@ def _target(address: Any, port: Any, what: str) -> str:
     address = str(address or "").strip()
     if not address:
         raise MonitoringConfigError(f"{what}: no address")
-    try:
-        port = int(port)
-    except (TypeError, ValueError):
-        raise MonitoringConfigError(f"{what}: port {port!r} is not a number") from None
-    if not 1 <= port <= 65535:
-        raise MonitoringConfigError(f"{what}: port {port} is outside 1-65535")
-    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+    number, why = port_number(port)
+    if number is None:
+        raise MonitoringConfigError(f"{what}: {why}")
+    return f"[{address}]:{number}" if ":" in address else f"{address}:{number}"
 
 
 def _static(job: str, targets: list[tuple[str, dict[str, str]]], **extra: Any) -> dict[str, Any] | None:

@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 from ansible_collections.gptoss.host.plugins.module_utils.loopback import is_loopback
+from ansible_collections.gptoss.host.plugins.module_utils.unit_inputs import port_number
 
 # Routing policies we let users pick. The installed vllm-router's own parser is the final judge
 # (the launcher's --check runs it before the config is written); this list only gives the early,
@@ -28,12 +29,9 @@ class RouterConfigError(ValueError):
 
 
 def _check_port(value: Any, what: str) -> int:
-    try:
-        port = int(value)
-    except (TypeError, ValueError):
-        raise RouterConfigError(f"{what}: port {value!r} is not a number") from None
-    if not 1 <= port <= 65535:
-        raise RouterConfigError(f"{what}: port {port} is outside 1-65535")
+    port, why = port_number(value)
+    if port is None:
+        raise RouterConfigError(f"{what}: {why}")
     return port
 
 

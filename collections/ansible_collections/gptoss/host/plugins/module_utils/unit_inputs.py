@@ -19,6 +19,7 @@ import os
 import re
 import socket
 import subprocess
+from typing import Any
 
 from ansible_collections.gptoss.host.plugins.module_utils.loopback import is_loopback
 
@@ -34,6 +35,17 @@ NO_KEY_TEXT = "# no API key: loopback only\n"
 
 class KeyFileError(Exception):
     """The secrets file is missing, unreadable or not in the one form this project writes."""
+
+
+def port_number(value: Any) -> tuple[int | None, str]:
+    """A TCP port from a setting: (port, "") or (None, why not) - the router's and monitoring's one rule."""
+    try:
+        port = int(value)
+    except (TypeError, ValueError):
+        return None, f"port {value!r} is not a number"
+    if not 1 <= port <= 65535:
+        return None, f"port {port} is outside 1-65535"
+    return port, ""
 
 
 def api_key_problem(key: str) -> str | None:
