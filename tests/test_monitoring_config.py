@@ -53,6 +53,15 @@ def test_fleet_scrapes_every_host_and_refuses_a_loopback_exporter_elsewhere():
         mc.scrape_configs([host(), host("gpu2", remote=True)], SERVER)
 
 
+def test_a_bad_port_names_the_variable_it_came_from():
+    """site.yml's first step renders the scrape targets before vllm_service's own validation: a port that is
+    not a number must still name the variable the user set (test_bad_input's 'port not a number')."""
+    bad = host()
+    bad["vllm_units"][0].update(port="eighty", variable="vllm_service_port")
+    with pytest.raises(mc.MonitoringConfigError, match="vllm_service_port: port 'eighty' is not a number"):
+        mc.scrape_configs([bad], SERVER)
+
+
 def test_blackbox_probes_health_through_the_proxy_and_names_the_instance_by_url():
     server = {**SERVER, "blackbox": {"address": "127.0.0.1", "port": 9115, "target": "https://10.0.0.1:8443/health"}}
     config = mc.prometheus_config([host()], server, {"scrape_interval": "15s", "evaluation_interval": "15s",

@@ -819,12 +819,18 @@ def check_alertmanager(ctx: Context) -> CheckResult:
     cid, title = "MON-003", "Alertmanager up with the configured receiver"
     role = ctx.role("monitoring")
     receivers = [str(r) for r in role.get("receivers", [])]
+    config_file = str(role.get("alertmanager_config_file", "/etc/prometheus/alertmanager.yml"))
     want = ", ".join(receivers) or "no receiver"
     found, row = _ask_monitoring(ctx, cid, title, str(role.get("alertmanager_url", "")), want, "Alertmanager",
-                                 lambda url: monitoring_check.alertmanager(url, receivers, max(ctx.timeout, 5.0)))
+                                 lambda url: monitoring_check.alertmanager(url, receivers, config_file,
+                                                                           max(ctx.timeout, 5.0)))
     if row:
         return row
-    reason = "; ".join(f"receiver not in the running configuration: {r}" for r in found["missing"])
+    problems = [found["file_error"]] if found["file_error"] else []
+    if not found["running_is_file"] and not found["file_error"]:
+        problems.append(f"the running configuration is not {config_file} (changed since the last reload?)")
+    problems += [f"receiver not in {config_file}: {r}" for r in found["missing"]]
+    reason = "; ".join(problems)
     if not receivers:
         reason = "no receiver configured: alerts go nowhere"
     return CheckResult(cid, title, "fail" if reason else "pass", want,

@@ -40,13 +40,14 @@ def size_bytes(size: str) -> int:
     return int(match.group(1)) * SIZE_UNITS[match.group(2)]
 
 
-def _target(address: Any, port: Any, what: str) -> str:
+def _target(address: Any, port: Any, what: str, variable: str = "") -> str:
+    """'address:port' of one scrape target; a bad port names the variable it came from, when known."""
     address = str(address or "").strip()
     if not address:
         raise MonitoringConfigError(f"{what}: no address")
     number, why = port_number(port)
     if number is None:
-        raise MonitoringConfigError(f"{what}: {why}")
+        raise MonitoringConfigError(f"{what}: {variable + ': ' if variable else ''}{why}")
     return f"[{address}]:{number}" if ":" in address else f"{address}:{number}"
 
 
@@ -78,7 +79,8 @@ def scrape_configs(hosts: list[dict], server: dict) -> list[dict[str, Any]]:
                     f"{what} listens on loopback ({part.get('address')}), so the Prometheus on {server['name']} "
                     "cannot scrape it: give that host a routable vllm_service_host / monitoring_exporter_address")
             labels = {"host": name, **({"unit": part["unit"]} if job == "vllm" else {})}
-            jobs[job].append((_target(part.get("address"), part.get("port"), what), labels))
+            jobs[job].append((_target(part.get("address"), part.get("port"), what, str(part.get("variable", ""))),
+                              labels))
     own = {"host": str(server["name"])}
     configs = [
         _static("prometheus", [(_target(**server["prometheus"], what="prometheus"), own)]),

@@ -96,6 +96,8 @@ CONTRACT: dict[str, dict[str, Key]] = {
         "inputs": Key((list,), "configuration files the services read: newer than the last reload = reload "
                                "pending (MON-002)"),
         "alertmanager_url": Key((str,), "Alertmanager's base URL, '' = none (MON-003)"),
+        "alertmanager_config_file": Key((str,), "the file Alertmanager must be running: its exported "
+                                                "alertmanager_config_hash equals this file's (MON-003)"),
         "receivers": Key((list,), "the receiver integrations Alertmanager must have: webhook URLs, 'email <to>' "
                                   "(MON-003)"),
     },
