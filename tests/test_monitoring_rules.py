@@ -212,8 +212,7 @@ def test_a_broken_threshold_is_refused_by_promtool(tmp_path: Path) -> None:
 
 
 def exposition_names(path: Path) -> set[str]:
-    return {line.split("{")[0].split(" ")[0] for line in path.read_text().splitlines()
-            if line and not line.startswith("#")}
+    return exposition_names_of(path.read_text())
 
 
 def vllm_capture_names() -> set[str]:
@@ -248,6 +247,29 @@ def test_every_served_metric_name_exists(path: Path) -> None:
     assert vllm_missing == [], f"not in {VLLM_CAPTURE.name}"
     assert gpu_missing == [], "not in service.venv.gpu_exporter.FAMILY_NAMES"
     assert exporter_missing == [], "not in the node/blackbox exporter captures"
+
+
+H200_EXPORTER = ROOT / "tests" / "data" / "h200" / "gpu-exporter-idle.txt"
+# Families served only when something happens (an XID, a lost NVML, an unsupported field, a failed read).
+EVENT_ONLY = {"gptoss_gpu_xid_events_total", "gptoss_nvml_error_info", "gptoss_gpu_field_unsupported_info",
+              "gptoss_nvml_read_errors_total"}
+
+
+def test_the_exporter_on_a_real_gpu_serves_every_family_the_rules_read() -> None:
+    """The exporter's /metrics on the H200 (bench/gpu_exporter_scrape.py --dump there, 2026-12-05): it
+    declares exactly the families of FAMILY_NAMES, and every gptoss_gpu_* a rule, page or dashboard reads
+    had a sample on a real card, except the event-only ones."""
+    text = H200_EXPORTER.read_text().split("---- /metrics (last scrape) ----\n", 1)[1].split("\n---- ", 1)[0]
+    declared = {line.split()[2] for line in text.splitlines() if line.startswith("# HELP gptoss_")}
+    served = {name for name in exposition_names_of(text) if name.startswith("gptoss_")}
+    assert declared == set(GPU_FAMILIES)
+    used = set().union(*(served_names(expressions_text(path)) for path in [RULES_TEMPLATE, GRAFANA, *CONSOLES]))
+    unserved = sorted(n for n in used if n.startswith("gptoss_") and n not in served | EVENT_ONLY)
+    assert unserved == [], "read by a rule or page, no sample on the H200"
+
+
+def exposition_names_of(text: str) -> set[str]:
+    return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
 
 
 def test_the_name_check_catches_a_renamed_metric() -> None:
