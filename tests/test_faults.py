@@ -44,6 +44,23 @@ def test_kill_9_of_the_main_process_is_restarted_by_systemd(lab: Lab):
     print(f"serving again {seconds:.0f}s after kill -9")
 
 
+def test_engine_core_killed_as_by_the_oom_killer_is_restarted_by_systemd(lab: Lab):
+    """The fleet drill's failure: the kernel's OOM killer ended vLLM's engine core, the API server then
+    exited on its own, and Restart=on-failure left the host down. SIGKILL to the engine core is what the OOM
+    killer sends; with Restart=always the unit comes back however the server exits."""
+    pid = lab.main_pid()
+    restarts = int(lab.sh("systemctl show -p NRestarts --value gptoss-vllm").strip())
+    children = lab.sh(f"ps --ppid {pid} -o pid=,args=")
+    engine = [line.split()[0] for line in children.splitlines() if "EngineCore" in line]
+    assert engine, f"no EngineCore process under the server {pid}: {children}"
+    lab.sh(f"kill -9 {engine[0]}")
+    seconds = wait_serving(lab)
+    assert lab.main_pid() != pid
+    assert int(lab.sh("systemctl show -p NRestarts --value gptoss-vllm").strip()) == restarts + 1
+    exits = lab.sh("journalctl -u gptoss-vllm -o cat --since '-5min' | grep -E 'Main process exited' | tail -2 || true")
+    print(f"engine core killed: serving again {seconds:.0f}s later; the server's exit: {exits.strip()}")
+
+
 def test_lab_reboot_brings_everything_back_without_a_play(lab: Lab):
     nspawn.restart(lab.state.name)
     wait_serving(lab)

@@ -41,7 +41,7 @@ def test_unit_is_hardened_and_runs_unprivileged(lab: Lab):
     unit = lab.sh(f"cat {UNIT}")
     for setting in ("NoNewPrivileges=yes", "ProtectSystem=strict", "ProtectHome=yes", "PrivateTmp=yes",
                     "ReadWritePaths=/var/cache/gptoss", "DeviceAllow=char-nvidia-frontend rw",
-                    "Restart=on-failure", "EnvironmentFile=/etc/gptoss/vllm-secrets.env"):
+                    "Restart=always", "EnvironmentFile=/etc/gptoss/vllm-secrets.env"):
         assert setting in unit, setting
     assert "--api-key" not in unit
     pid = lab.main_pid()

@@ -102,7 +102,7 @@ def unit_restarts(unit: str) -> int | None:
 
 def wait_for_health(base_url: str, clock: Clock, unit: str | None) -> None:
     last_unit_check = 0.0
-    # A server that exits while starting is restarted by systemd (Restart=on-failure) and never shows
+    # A server that exits while starting is restarted by systemd (Restart=always) and never shows
     # as failed until the start limit: waiting for "failed" would wait out the whole timeout. An
     # automatic restart since the gate began is the crash itself, so it ends the wait at once.
     restarts_before = unit_restarts(unit) if unit else None
