@@ -1,10 +1,18 @@
 """monitoring_check's pure parts, against values the real services printed."""
 
+import http.server
+import socket
+import subprocess
+import threading
+import time
 from pathlib import Path
+
+import pytest
 
 from service.host import monitoring_check
 
 DATA = Path(__file__).parent / "data"
+PROMETHEUS = Path(__file__).resolve().parents[1] / ".cache" / "tools" / "prometheus-2.42" / "usr" / "bin" / "prometheus"
 
 
 def test_alertmanager_config_hash_matches_what_alertmanager_exports():
@@ -13,3 +21,77 @@ def test_alertmanager_config_hash_matches_what_alertmanager_exports():
     data = (DATA / "alertmanager-0.25-hash.yml").read_bytes()
     assert monitoring_check.alertmanager_config_hash(data) == 238955905961135.0
     assert monitoring_check.alertmanager_config_hash(data + b"\n") != 238955905961135.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Metrics(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 - the stdlib's name
+        body = b"gptoss_test_up 1\n"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def prometheus(tmp_path):
+    """Debian 12's real Prometheus 2.42 (`invoke promtool` extracts it), scraping one target every 2 s."""
+    if not PROMETHEUS.exists():
+        pytest.fail(f"{PROMETHEUS} missing: run `invoke promtool`")
+    port, target = free_port(), free_port()
+    (tmp_path / "p.yml").write_text(
+        "global: {scrape_interval: 2s, scrape_timeout: 1s}\nscrape_configs:\n"
+        f"  - job_name: x\n    static_configs: [{{targets: ['127.0.0.1:{target}']}}]\n")
+    proc = subprocess.Popen([str(PROMETHEUS), f"--config.file={tmp_path / 'p.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield f"http://127.0.0.1:{port}", target
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def health(base: str) -> str:
+    try:
+        active = monitoring_check.prometheus_data(base, "/api/v1/targets?state=active", 2)["activeTargets"]
+    except OSError:
+        return "no answer"
+    return active[0]["health"] if active else "none"
+
+
+def test_a_target_back_since_its_last_scrape_is_not_reported_down(prometheus):
+    """verify right after vLLM came back: Prometheus's last scrape (during the restart) says down; MON-001
+    waits for a scrape newer than its question instead of failing on the stale one, and a target that is
+    really down is still reported, after at most one interval (+ 5 s). (A stale "up" is taken as it is:
+    the API checks see a server that is down.)"""
+    base, port = prometheus
+    deadline = time.monotonic() + 60
+    while health(base) != "down":
+        assert time.monotonic() < deadline, "Prometheus never scraped the (closed) target"
+        time.sleep(0.3)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    key = f"x 127.0.0.1:{port}"
+    try:
+        found = monitoring_check.targets(base, [key], 5)
+        assert found["up"] == [key] and found["down"] == {}, found
+    finally:
+        server.shutdown()
+        server.server_close()
+    while health(base) != "down":
+        assert time.monotonic() < deadline + 30, "Prometheus never saw the target go"
+        time.sleep(0.3)
+    started = time.monotonic()
+    found = monitoring_check.targets(base, [key], 5)
+    assert list(found["down"]) == [key], found
+    assert time.monotonic() - started < 2 + 5 + 2

@@ -9,9 +9,11 @@ alerts firing as JSON (what `invoke alerts` shows per host).
 from __future__ import annotations
 
 import argparse
+import datetime
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 import urllib.error
@@ -37,16 +39,41 @@ def prometheus_data(base: str, path: str, timeout: float) -> Any:
     return answer["data"]
 
 
+def _scraped_at(target: dict[str, Any]) -> float:
+    """A target's lastScrape as epoch seconds (RFC 3339 with nanoseconds; 0 when never scraped)."""
+    stamp = str(target.get("lastScrape", ""))
+    match = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)$", stamp)
+    if not match or stamp.startswith("0001-"):
+        return 0.0
+    zone = "+00:00" if match.group(3) == "Z" else match.group(3)
+    moment = datetime.datetime.fromisoformat(match.group(1) + zone).timestamp()
+    return moment + float(match.group(2) or 0.0)
+
+
+def _interval_s(target: dict[str, Any]) -> float:
+    value = re.fullmatch(r"(\d+)(ms|s|m)", str(target.get("scrapeInterval", "")))
+    return int(value.group(1)) * {"ms": 0.001, "s": 1.0, "m": 60.0}[value.group(2)] if value else 60.0
+
+
 def targets(base: str, expected: list[str], timeout: float, wait_s: float = FIRST_SCRAPE_WAIT_S) -> dict[str, Any]:
-    """{"up": [...], "down": {target: error}, "missing": [...], "unexpected": [...]}, keyed '<job> <instance>'."""
+    """{"up": [...], "down": {target: error}, "missing": [...], "unexpected": [...]}, keyed '<job> <instance>'.
+
+    A verdict is the target's last scrape, up to an interval old. A target not scraped yet ("unknown":
+    Prometheus just started) is waited for, and so is one that is down: its last scrape may predate a
+    restart that has since finished (verify right after vLLM came back read "down" in the suite), so it
+    is asked again once a scrape newer than this call exists, at most one interval (+ 5 s) later."""
+    asked_at = time.time()
     deadline = time.monotonic() + wait_s
     while True:
         active = prometheus_data(base, "/api/v1/targets?state=active", timeout)["activeTargets"]
         seen = {f"{t['labels'].get('job')} {t['labels'].get('instance')}": t for t in active}
         unknown = [key for key in expected if key in seen and seen[key].get("health") == "unknown"]
-        if not unknown or time.monotonic() >= deadline:
+        stale_down = [key for key in expected if key in seen and seen[key].get("health") == "down"
+                      and _scraped_at(seen[key]) < asked_at
+                      and time.time() < asked_at + _interval_s(seen[key]) + 5.0]
+        if not (unknown or stale_down) or time.monotonic() >= deadline:
             break
-        time.sleep(2)
+        time.sleep(1)
     return {
         "up": sorted(key for key in expected if key in seen and seen[key].get("health") == "up"),
         "down": {key: seen[key].get("lastError") or seen[key].get("health", "?")
