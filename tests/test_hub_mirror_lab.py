@@ -123,7 +123,7 @@ def test_hf_source_downloads_serves_verifies_then_changes_nothing(lab: Lab, hub)
         # The lab's waived checks (inventory/lab-waivers.json: what a container cannot show) aside.
         waived = {w["id"] for w in json.loads((ROOT / "inventory" / "lab-waivers.json").read_text())}
         failed = [r for r in report["results"] if r["status"] == "fail" and r["id"] not in waived]
-        assert not failed, failed
+        assert not failed, [f"{r['id']}: {r['reason']}" for r in failed]
         served = lab.sh("systemctl show -p ExecStart --value gptoss-vllm.service")
         assert HUB_DIR in served, served
         second = lab.play("site.yml", "--tags", "model_weights,vllm_service", extra_vars=extra)
