@@ -13,6 +13,7 @@ and run in order:
 3. `invoke rollback` on the fleet under the same load: one host at a time, drained, zero failed.
 4. An upgrade that cannot start (1 TiB of KV cache): the first host restored and back in the router,
    the second untouched, the play fails naming the first, RTR-001 PASS.
+Before them, issue 25's fleet monitoring: one Prometheus, on the router's host, scrapes both hosts.
 
 Opt-in (two more labs beside the session's): GPTOSS_TEST_FLEET=<name> boots labs <name> and <name>2.
 With GPTOSS_REUSE_LAB=1 a fleet of that name that is up is used as it is (converged at 0.32.0).
@@ -28,6 +29,7 @@ import subprocess
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -147,6 +149,32 @@ def test_fleet_serves_through_the_router(fleet: Fleet):
     assert fleet.router_lists() == sorted(workers)
     assert all(OLD in pointer(lab) for lab in fleet.labs), [pointer(lab) for lab in fleet.labs]
     assert fleet.rtr_001()["status"] == "pass"
+
+
+def test_one_prometheus_scrapes_both_hosts(fleet: Fleet):
+    """Issue 25's fleet must-show: the Prometheus on the router's host scrapes both hosts' vLLM, node and
+    GPU exporters (all up: MON-001 there), and the other host's MON-* say where they are checked."""
+    first, second = fleet.labs
+    record = json.loads(first.sh("cat /etc/gptoss/verify.d/monitoring.json"))
+    expected = set(record["expected_targets"])
+    for lab in fleet.labs:
+        for job, port in (("vllm", 8000), ("node", 9100), ("gpu", 9835)):
+            assert f"{job} {lab.state.address}:{port}" in expected, sorted(expected)
+    query = urllib.parse.quote('count by (job, host) (up == 1)')
+    url = f"{record['prometheus_url']}/api/v1/query?query={query}"
+    fetch = ("import sys, urllib.request; "
+             "sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())")
+    answer = json.loads(first.sh(f"python3 -c '{fetch}' '{url}'"))
+    up = sorted(f"{r['metric'].get('job')} {r['metric'].get('host')}={r['value'][1]}" for r in answer["data"]["result"])
+    print(f"\n[fleet] Prometheus on {fleet.hosts[0]}: targets up by job and host: {up}")
+    for host in fleet.hosts:
+        for job in ("vllm", "node", "gpu"):
+            assert f"{job} {host}=1" in up, up
+    checks = verify_all(first)[1]
+    assert all(checks[cid]["status"] == "pass" for cid in ("MON-001", "MON-002", "MON-003")), \
+        {cid: checks[cid] for cid in ("MON-001", "MON-002", "MON-003")}
+    elsewhere = verify_all(second)[1]["MON-001"]
+    assert elsewhere["status"] == "skip" and fleet.hosts[0] in elsewhere["reason"], elsewhere
 
 
 def test_a_drain_that_cannot_finish_aborts_or_proceeds_as_told(fleet: Fleet):
