@@ -108,13 +108,18 @@ def parse_api_key(text: str) -> str | None:
     return keys[0] if keys else None
 
 
-def read_api_key(path: str) -> str:
-    """The key of a secrets file, as systemd hands it to the server. The caller never prints it."""
+def _read_secrets_text(path: str, what: str = "") -> str:
+    """A secrets file's text (ASCII, as systemd reads it); a clear KeyFileError otherwise."""
     try:
         with open(path, encoding="ascii") as handle:
-            text = handle.read()
+            return handle.read()
     except (OSError, UnicodeDecodeError) as exc:
-        raise KeyFileError(f"cannot read API key file {path}: {getattr(exc, 'strerror', None) or exc}") from None
+        raise KeyFileError(f"cannot read {what}{path}: {getattr(exc, 'strerror', None) or exc}") from None
+
+
+def read_api_key(path: str) -> str:
+    """The key of a secrets file, as systemd hands it to the server. The caller never prints it."""
+    text = _read_secrets_text(path, "API key file ")
     try:
         key = parse_api_key(text)
     except KeyFileError as exc:
@@ -162,11 +167,7 @@ def parse_env_file(text: str) -> dict[str, str]:
 
 def read_env_file(path: str) -> dict[str, str]:
     """The values of a secrets file on disk. The caller never prints them."""
-    try:
-        with open(path, encoding="ascii") as handle:
-            text = handle.read()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise KeyFileError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    text = _read_secrets_text(path)
     try:
         return parse_env_file(text)
     except KeyFileError as exc:
