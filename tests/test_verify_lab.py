@@ -157,12 +157,13 @@ def test_stopped_unit_fails_the_service_checks_only(lab: Lab):
         assert code == 1
         bad = failing(report)
         assert "SVC-001" in bad and "API-001" in bad
-        # Everything not about the running server still passes. MON-001 fails with it, naming the vllm
-        # target alone: Prometheus cannot scrape a stopped server.
+        # Everything not about the running server still passes. MON-001 goes by Prometheus's last scrape
+        # (up to an interval old; a stale "up" is taken as it is): it passes, or fails naming the vllm
+        # target alone.
         assert bad <= {"SVC-001", "SVC-003", "SVC-004", "SVC-005", "ENV-001",
-                       "API-001", "API-002", "API-003", "API-004", "NET-001", "MON-001"}, report
+                       "API-001", "API-002", "API-003", "API-004", "NET-001", "MON-001"}, reasons(report)
         mon = next(r for r in report["results"] if r["id"] == "MON-001")
-        assert mon["status"] == "fail" and mon["reason"].startswith("down: vllm ") and ";" not in mon["reason"], mon
+        assert mon["status"] == "pass" or (mon["reason"].startswith("down: vllm ") and ";" not in mon["reason"]), mon
         assert statuses(report)["MNT-001"] == "pass" and statuses(report)["MDL-001"] == "pass"
     finally:
         lab.sh("systemctl start gptoss-vllm")
