@@ -737,9 +737,12 @@ def convert_shards(model_dir: Path, shards: list[SourceShard], progress: Progres
         return plan.aliases, True
 
     pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="shard")
-    futures = [pool.submit(convert_one, number, shard) for number, shard in enumerate(shards, start=1)]
+    futures: list[Future] = []
     interrupted: BaseException | None = None
     try:
+        # Submitting inside the try: a job can reach its first write before this thread reaches wait(),
+        # and a SIGTERM then (test_sigterm_mid_write_removes_temp, once in a quick run) left its temp file.
+        futures = [pool.submit(convert_one, number, shard) for number, shard in enumerate(shards, start=1)]
         wait(futures, return_when=FIRST_EXCEPTION)
     except BaseException as exc:  # SIGTERM (SystemExit) or Ctrl-C while the jobs run
         interrupted = exc
