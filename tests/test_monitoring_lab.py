@@ -6,18 +6,23 @@ on (its default): Debian's Prometheus, Alertmanager and node exporter on the lab
 - vLLM stopped: the VllmDown alert reaches a real webhook receiver this test starts on the controller
   (the labs share its network), and the resolved notice after the restart; the times are recorded;
 - a broken extra rule is refused before anything is replaced: the running Prometheus keeps its PID and
-  its configuration and rule files their bytes.
+  its configuration and rule files their bytes;
+- published through the TLS proxy: only with the password; the blackbox probe of /health through the
+  proxy up, with the certificate's expiry.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
 import shutil
+import ssl
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -229,3 +234,48 @@ def test_console_page_under_load_in_a_headless_browser(lab: Lab):
         bench.terminate()
         bench.wait(timeout=60)
     print(f"console page screenshot: {SCREENSHOT}")
+
+
+PUBLISH_PASSWORD = "lab-monitoring-pass-0123456789"
+
+
+def test_published_behind_the_proxy_only_with_auth_and_the_blackbox_probe_up(lab: Lab, tmp_path: Path):
+    """Publishing (monitoring_publish, with the TLS proxy): Prometheus under https://<host>:8443/prometheus/
+    answers only with its basic-auth password; the blackbox exporter probes the API's /health through the
+    proxy and reports the certificate's expiry; MON-001 counts the probe. Then both off again."""
+    extra = {"reverse_proxy_enabled": True, "monitoring_publish": True,
+             "monitoring_publish_password": PUBLISH_PASSWORD}
+    on = lab.play("site.yml", extra_vars=extra)
+    assert on.rc == 0, on.output[-4000:]
+    try:
+        cert = tmp_path / "proxy.crt"
+        cert.write_text(lab.sh("cat /etc/gptoss/tls/proxy.crt"))
+        context = ssl.create_default_context(cafile=str(cert))
+        base = f"https://{lab.state.address}:8443/prometheus/"
+        with pytest.raises(urllib.error.HTTPError) as denied:
+            urllib.request.urlopen(base + "api/v1/status/buildinfo", timeout=30, context=context)
+        assert denied.value.code == 401
+        token = base64.b64encode(f"monitor:{PUBLISH_PASSWORD}".encode()).decode()
+
+        def published(path: str) -> bytes:
+            request = urllib.request.Request(base + path, headers={"Authorization": f"Basic {token}"})
+            with urllib.request.urlopen(request, timeout=30, context=context) as response:
+                return response.read()
+
+        assert json.loads(published("api/v1/status/buildinfo"))["data"]["version"].startswith("2.")
+        assert b"gptoss" in published(f"consoles/gptoss.html?host=gptoss-{lab.name}")
+        probe = wait_until("the blackbox probe of /health through the proxy", lambda: [
+            t for t in targets_by_job(lab).get("blackbox_health", []) if t["health"] == "up"], 90)
+        expiry = wait_until("probe_ssl_earliest_cert_expiry", lambda: query(lab, "probe_ssl_earliest_cert_expiry"), 60)
+        days = (float(expiry[0]["value"][1]) - time.time()) / 86400
+        success = query(lab, "probe_success")
+        print(f"\n[publish] 401 without the password, 200 with it; blackbox {probe[0]['labels'].get('instance')}: "
+              f"probe_success {success[0]['value'][1] if success else '?'}, certificate expires in {days:.0f} days")
+        assert days > 0 and success and success[0]["value"][1] == "1"
+        mon = json.loads(lab.sh("cd /opt/gptoss/lib && python3 -m service.host.verify --json --only MON-001"))
+        row = mon["results"][0]
+        assert row["status"] == "pass" and "blackbox_health" in row["found"], row
+    finally:
+        off = lab.play("site.yml")
+        assert off.rc == 0, off.output[-4000:]
+    assert "prometheus" not in lab.sh("ls /etc/nginx/gptoss-proxy.d/ 2>/dev/null || true")
