@@ -93,12 +93,14 @@ class Load:
     """Closed-loop completions through `url` (concurrency 2, 120 s client timeout) until stopped: every
     request is counted, with its start and end, so failures, p95 and gaps come from the same record."""
 
-    def __init__(self, url: str, concurrency: int = 2, **request):
+    def __init__(self, url: str, concurrency: int = 2, stagger_s: float = 0.0, **request):
         self.url, self.request, self.stop = url, request, threading.Event()
         self.results: list[tuple[float, float, bool, str]] = []
-        self.threads = [threading.Thread(target=self.run, daemon=True) for _ in range(concurrency)]
+        self.threads = [threading.Thread(target=self.run, args=(number * stagger_s,), daemon=True)
+                        for number in range(concurrency)]
 
-    def run(self) -> None:
+    def run(self, delay_s: float = 0.0) -> None:
+        self.stop.wait(delay_s)
         while not self.stop.is_set():
             started = time.time()
             ok, why = complete(self.url, **self.request)
@@ -184,9 +186,10 @@ def test_a_drain_that_cannot_finish_aborts_or_proceeds_as_told(fleet: Fleet):
     evidence = ["/etc/systemd/system/gptoss-vllm.service", "/etc/gptoss/vllm-args.json",
                 "/etc/gptoss/verify.d/vllm_service.json"]
     before, pid = second.checksums(*evidence), second.main_pid()
-    # Three overlapping long requests straight to the second host (not through the router): its
-    # running count never reads 0 while they last.
-    with Load(worker, concurrency=3, max_tokens=200, ignore_eos=True, timeout=300) as held:
+    # Four overlapping requests straight to the second host (not through the router), started 0.15 s
+    # apart: its running count never reads 0 while they last. (Started together, the same length, they
+    # ran in step and all ended at once: on a quiet machine, 0.4 s each, the drain saw 0 and went on.)
+    with Load(worker, concurrency=4, stagger_s=0.15, max_tokens=200, ignore_eos=True, timeout=300) as held:
         time.sleep(3)
         abort = fleet.play("playbooks/vllm.yml", "--tags", "vllm_service", "--limit", fleet.hosts[1],
                            extra_vars=change)
@@ -199,7 +202,7 @@ def test_a_drain_that_cannot_finish_aborts_or_proceeds_as_told(fleet: Fleet):
     assert complete(worker)[0] and complete(fleet.router)[0]
     assert held.summary()["failed"] == 0  # nothing was cut
 
-    with Load(worker, concurrency=3, max_tokens=200, ignore_eos=True, timeout=300) as held:
+    with Load(worker, concurrency=4, stagger_s=0.15, max_tokens=200, ignore_eos=True, timeout=300) as held:
         time.sleep(3)
         proceed = fleet.play("playbooks/vllm.yml", "--tags", "vllm_service", "--limit", fleet.hosts[1],
                              extra_vars={**change, "vllm_service_drain_on_timeout": "proceed"})
