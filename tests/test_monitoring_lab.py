@@ -243,8 +243,9 @@ def test_published_behind_the_proxy_only_with_auth_and_the_blackbox_probe_up(lab
     """Publishing (monitoring_publish, with the TLS proxy): Prometheus under https://<host>:8443/prometheus/
     answers only with its basic-auth password; the blackbox exporter probes the API's /health through the
     proxy and reports the certificate's expiry; MON-001 counts the probe. Then both off again."""
-    extra = {"reverse_proxy_enabled": True, "monitoring_publish": True,
-             "monitoring_publish_password": PUBLISH_PASSWORD}
+    # The proxy publishes the API beyond loopback: it needs a key (the blackbox probes /health, unguarded).
+    extra = {"reverse_proxy_enabled": True, "vllm_service_api_key": "lab-publish-key-0123456789abcdef",
+             "monitoring_publish": True, "monitoring_publish_password": PUBLISH_PASSWORD}
     on = lab.play("site.yml", extra_vars=extra)
     assert on.rc == 0, on.output[-4000:]
     try:
