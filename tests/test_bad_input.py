@@ -67,6 +67,8 @@ FIRST_STEP_CASES = {
     "API key too short off loopback": ({"vllm_service_host": "0.0.0.0", "vllm_service_api_key": "short-key"},
                                        "vllm_service_host=0.0.0.0 is not loopback: set vllm_service_api_key (16+ "
                                        "characters"),
+    "proxy without an API key": ({"reverse_proxy_enabled": True},
+                                 "reverse_proxy: the proxy publishes the server beyond loopback"),
     "port held by another process": ({"vllm_service_port": 8001}, "not by gptoss-vllm.service"),
     "unknown profile": ({"vllm_service_profile": "4090d-x3"}, "vllm_service_profile"),
     # The roles' argument specifications (entry point `validate`) are applied in the first step too.
