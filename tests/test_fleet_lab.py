@@ -186,10 +186,11 @@ def test_a_drain_that_cannot_finish_aborts_or_proceeds_as_told(fleet: Fleet):
     evidence = ["/etc/systemd/system/gptoss-vllm.service", "/etc/gptoss/vllm-args.json",
                 "/etc/gptoss/verify.d/vllm_service.json"]
     before, pid = second.checksums(*evidence), second.main_pid()
-    # Four overlapping requests straight to the second host (not through the router), started 0.15 s
-    # apart: its running count never reads 0 while they last. (Started together, the same length, they
-    # ran in step and all ended at once: on a quiet machine, 0.4 s each, the drain saw 0 and went on.)
-    with Load(worker, concurrency=4, stagger_s=0.15, max_tokens=200, ignore_eos=True, timeout=300) as held:
+    # Requests straight to the second host (not through the router, so its removal does not stop them),
+    # ten at a time against its four sequences: six always wait, so its in-flight count never reads 0
+    # while they run. (Four loops of 0.4 s requests left a moment with 0 in flight between two of them:
+    # the drain, then on one read of 0, took it as drained. It now wants two reads of 0 in a row.)
+    with Load(worker, concurrency=10, stagger_s=0.05, max_tokens=200, ignore_eos=True, timeout=300) as held:
         time.sleep(3)
         abort = fleet.play("playbooks/vllm.yml", "--tags", "vllm_service", "--limit", fleet.hosts[1],
                            extra_vars=change)
@@ -202,7 +203,7 @@ def test_a_drain_that_cannot_finish_aborts_or_proceeds_as_told(fleet: Fleet):
     assert complete(worker)[0] and complete(fleet.router)[0]
     assert held.summary()["failed"] == 0  # nothing was cut
 
-    with Load(worker, concurrency=4, stagger_s=0.15, max_tokens=200, ignore_eos=True, timeout=300) as held:
+    with Load(worker, concurrency=10, stagger_s=0.05, max_tokens=200, ignore_eos=True, timeout=300) as held:
         time.sleep(3)
         proceed = fleet.play("playbooks/vllm.yml", "--tags", "vllm_service", "--limit", fleet.hosts[1],
                              extra_vars={**change, "vllm_service_drain_on_timeout": "proceed"})

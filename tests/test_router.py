@@ -134,7 +134,7 @@ class RouterAndWorker:
     """vllm-router's admin API (list/remove/add_worker) and one vLLM worker's /metrics, on one local
     HTTP server: a worker that keeps `running` requests in flight for as long as the test says."""
 
-    def __init__(self, running: int):
+    def __init__(self, running: int | list[int]):
         import http.server
         import threading
         import urllib.parse
@@ -157,8 +157,10 @@ class RouterAndWorker:
             def do_GET(self) -> None:
                 if self.path == "/list_workers":
                     self.reply(json.dumps({"urls": owner.workers}))
-                else:  # /metrics of the worker
-                    self.reply(f'vllm:num_requests_running{{engine="0"}} {owner.running}.0\n'
+                else:  # /metrics of the worker; a list is read one value per request, the last one kept
+                    running = owner.running.pop(0) if isinstance(owner.running, list) and len(owner.running) > 1 \
+                        else (owner.running[0] if isinstance(owner.running, list) else owner.running)
+                    self.reply(f'vllm:num_requests_running{{engine="0"}} {running}.0\n'
                                'vllm:num_requests_waiting{engine="0"} 0.0\n', "text/plain")
 
             def do_POST(self) -> None:
@@ -205,6 +207,23 @@ def test_drain_policy_abort_puts_the_unit_back_and_proceed_reports_the_cut(runni
         assert router_drain.put_back(fake.url, fake.url) == {"listed": True} and fake.workers == [fake.url]
         with pytest.raises(ValueError, match="on_timeout must be one of abort, proceed, not 'wait'"):
             router_drain.take_out(fake.url, fake.url, timeout_s=0, on_timeout="wait")
+    finally:
+        fake.close()
+
+
+def test_one_read_of_zero_between_requests_is_not_a_drain():
+    """A client that sends straight to the unit (the router's removal does not stop it) leaves a moment
+    with 0 in flight between two of its requests: the drain must not take that moment as drained."""
+    from ansible_collections.gptoss.host.plugins.module_utils import router_drain
+
+    fake = RouterAndWorker([2, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1])
+    try:
+        with pytest.raises(router_drain.DrainAborted, match=r"1 request\(s\) in flight after"):
+            router_drain.take_out(fake.url, fake.url, timeout_s=0.5, on_timeout="abort", poll_s=0.05)
+        assert fake.workers == [fake.url]  # back in the router
+        fake.running = [1, 0, 0, 5]  # two reads of 0 in a row: drained, and the 5 after is never read
+        result = router_drain.take_out(fake.url, fake.url, timeout_s=5, on_timeout="abort", poll_s=0.05)
+        assert result["drained"] is True and result["in_flight"] == 0 and fake.running == [5]
     finally:
         fake.close()
 

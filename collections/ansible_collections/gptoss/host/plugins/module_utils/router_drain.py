@@ -22,6 +22,10 @@ _GAUGE = re.compile(r"^vllm:num_requests_(?:running|waiting)(?:\{[^}]*\})?\s+([0
 
 
 ON_TIMEOUT = ("abort", "proceed")
+# Drained means 0 in flight on this many reads in a row, a poll apart: one read of 0 can fall in the
+# moment between a client's request and its next one (seen in the fleet lab with requests sent straight
+# to the unit, which the router's removal does not stop).
+QUIET_READS = 2
 
 
 class DrainError(RuntimeError):
@@ -71,7 +75,8 @@ def worker_in_flight(worker_url: str, timeout: float = 5.0) -> int | None:
 
 def take_out(router_url: str, worker_url: str, timeout_s: float, on_timeout: str = "abort",
              poll_s: float = 0.5) -> dict:
-    """Remove the unit from the router, then wait (bounded) until it has no request left.
+    """Remove the unit from the router, then wait (bounded) until it has no request left: 0 in flight
+    on QUIET_READS reads in a row.
 
     Returns {"was_listed", "drained", "waited_s", "in_flight", "on_timeout"}: in_flight is what the
     unit still ran when this stopped waiting (what a restart now cuts). When the bound passes with
@@ -92,8 +97,11 @@ def take_out(router_url: str, worker_url: str, timeout_s: float, on_timeout: str
     if was_listed:
         _post(f"{router_url}/remove_worker?url={urllib.parse.quote(worker_url, safe=':/')}", timeout=10)
     started = time.monotonic()
-    count = worker_in_flight(worker_url)
-    while count and time.monotonic() - started < timeout_s:
+    count, zeros = worker_in_flight(worker_url), 0
+    while count is not None:  # None: the unit does not answer, there is nothing left to wait for
+        zeros = zeros + 1 if count == 0 else 0
+        if zeros >= QUIET_READS or time.monotonic() - started >= timeout_s:
+            break
         time.sleep(poll_s)
         count = worker_in_flight(worker_url)
     result = {"was_listed": was_listed, "drained": not count, "waited_s": round(time.monotonic() - started, 1),
