@@ -819,7 +819,7 @@ def check_alertmanager(ctx: Context) -> CheckResult:
     cid, title = "MON-003", "Alertmanager up with the configured receiver"
     role = ctx.role("monitoring")
     receivers = [str(r) for r in role.get("receivers", [])]
-    config_file = str(role.get("alertmanager_config_file", "/etc/prometheus/alertmanager.yml"))
+    config_file = str(role["alertmanager_config_file"])  # required by the record contract (the loader checks)
     want = ", ".join(receivers) or "no receiver"
     found, row = _ask_monitoring(ctx, cid, title, str(role.get("alertmanager_url", "")), want, "Alertmanager",
                                  lambda url: monitoring_check.alertmanager(url, receivers, config_file,
