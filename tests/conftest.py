@@ -154,12 +154,36 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 CURRENT = {"group": ""}
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item: pytest.Item) -> None:
+def measured_cpu(item: pytest.Item, when: str):
+    """Around one phase of a test: its CPU seconds on the controller and in this worker's labs, handed
+    to the controller's record with the phase's report (user_properties travel with xdist's reports)."""
+    on_lab = xdist_group_of(item).startswith("lab-")
+    controller, labs = run_times.controller_cpu_s(), run_times.labs_cpu_s(LAB_NAME) if on_lab else 0.0
+    yield
+    labs_after = run_times.labs_cpu_s(LAB_NAME) if on_lab else 0.0
+    # A lab taken down in this phase takes its CPU with it: never a negative share.
+    item.user_properties.append(("cpu_s", when, round(run_times.controller_cpu_s() - controller, 2),
+                                 round(max(labs_after - labs, 0.0), 2)))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
     CURRENT["group"] = xdist_group_of(item)
+    yield from measured_cpu(item, "setup")
 
 
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    yield from measured_cpu(item, "call")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    yield from measured_cpu(item, "teardown")
+    say_when_the_origin_made_no_image(item, nextitem)
+
+
+def say_when_the_origin_made_no_image(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     """After the origin group's last test: if none of its selected tests converged the lab, there is no
     image; say so, and the waiting workers converge labs of their own."""
     if xdist_group_of(item) == ORIGIN_GROUP and (nextitem is None or xdist_group_of(nextitem) != ORIGIN_GROUP):
@@ -182,7 +206,9 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     times = TIMES_OF.get("run")
     if times is not None:
-        times.add(report.nodeid, report.when, report.duration, report.outcome)
+        cpu = next(((controller, labs) for name, *value in report.user_properties if name == "cpu_s"
+                    for when, controller, labs in [value] if when == report.when), (0.0, 0.0))
+        times.add(report.nodeid, report.when, report.duration, report.outcome, cpu)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

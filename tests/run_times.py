@@ -1,9 +1,12 @@
 """Per-test wall times of every run, on record (issue 29): which tests and groups cost the suite its time.
 
 Every pytest run writes `.cache/test-times/<UTC time>.json` and `.cache/test-times/last.json`:
-each test's node id, its worker group (tests/conftest.py: xdist_group_of) and its setup + call +
+each test's node id, its worker group (tests/conftest.py: xdist_group_of), its setup + call +
 teardown seconds (a session fixture's lab boot and converge count in the setup of the first test
-that asks for it), plus the run's wall time and outcome counts. `invoke test-times` prints the
+that asks for it) and the CPU seconds it cost - on the controller (the pytest process and the
+programs it ran and waited for: ansible-playbook, invoke, ssh) and inside its worker's labs - plus the
+run's wall time and outcome counts. The suite is CPU-bound on 2 cores (cpu_busy), so the CPU columns,
+not the wall times of tests that ran side by side, say what a cut would save. `invoke test-times` prints the
 slowest tests and the total per group; `tests/data/test-times/` keeps the snapshot of the last full
 run, committed with the change that moves it.
 """
@@ -13,6 +16,8 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
+import resource
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
@@ -39,6 +44,33 @@ def cpu_busy(start: tuple[int, int], end: tuple[int, int]) -> float | None:
     return round((end[0] - start[0]) / total, 3) if total > 0 else None
 
 
+def controller_cpu_s() -> float:
+    """CPU seconds of this process and of the children it has waited for (subprocess.run waits)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def labs_cpu_s(lab_name: str, proc: Path = Path("/proc")) -> float:
+    """CPU seconds so far of the labs named `lab_name` or `lab_name-*` (a worker's lab, its copy, its
+    trixie and bare labs): every live process of theirs (systemd cgroup /gptoss-lab-<name>, as
+    lab/nspawn.py starts them), its own time plus that of the children it reaped. A process that
+    ended was reaped by one that lives (the container's systemd reaps its services and orphans), so
+    each CPU second is counted once, while the lab runs."""
+    pattern = re.compile(rf"^(?:0:|\d+:name=systemd):/gptoss-lab-{re.escape(lab_name)}(?:[-/]|$)", re.MULTILINE)
+    ticks = 0
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if not pattern.search((entry / "cgroup").read_text()):
+                continue
+            fields = (entry / "stat").read_text().rpartition(")")[2].split()
+        except OSError:  # ended while read
+            continue
+        ticks += sum(int(value) for value in fields[11:15])  # utime stime cutime cstime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 class RunTimes:
     """Collects the reports (on the xdist controller, or the single process) and writes the record."""
 
@@ -46,16 +78,21 @@ class RunTimes:
         self.started = time.monotonic()
         self.cpu_started = cpu_times()
         self.seconds: dict[str, float] = defaultdict(float)
+        self.cpu: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # controller, labs
         self.outcomes: dict[str, str] = {}
 
-    def add(self, nodeid: str, when: str, duration: float, outcome: str) -> None:
+    def add(self, nodeid: str, when: str, duration: float, outcome: str,
+            cpu: tuple[float, float] = (0.0, 0.0)) -> None:
         self.seconds[nodeid] += duration
+        self.cpu[nodeid][0] += cpu[0]
+        self.cpu[nodeid][1] += cpu[1]
         if when == "call" or outcome != "passed":  # a failed setup is the test's outcome
             self.outcomes[nodeid] = outcome if self.outcomes.get(nodeid) in (None, "passed") else self.outcomes[nodeid]
 
     def record(self, groups: Mapping[str, str], args: Iterable[str], exit_status: int, workers: int) -> dict:
         tests = [{"nodeid": nodeid, "group": groups.get(nodeid) or nodeid.split("::", 1)[0],
-                  "seconds": round(seconds, 2), "outcome": self.outcomes.get(nodeid, "skipped")}
+                  "seconds": round(seconds, 2), "outcome": self.outcomes.get(nodeid, "skipped"),
+                  "cpu_controller_s": round(self.cpu[nodeid][0], 2), "cpu_labs_s": round(self.cpu[nodeid][1], 2)}
                  for nodeid, seconds in self.seconds.items()]
         counts: dict[str, int] = defaultdict(int)
         for test in tests:
@@ -88,7 +125,22 @@ def summary(record: Mapping, top: int = 15) -> str:
              + f"{', '.join(f'{n} {k}' for k, n in sorted(record['counts'].items()))}",
              "", f"slowest {min(top, len(tests))} tests (setup + call + teardown):"]
     lines += [f"  {t['seconds']:8.1f} s  {t['outcome']:7}  {t['nodeid']}" for t in tests[:top]]
-    lines += ["", "per group (sum of its tests; a group runs on one worker, in order):"]
-    lines += [f"  {sum(v):8.1f} s  {len(v):4} tests  {group}"
+    has_cpu = any("cpu_labs_s" in t for t in tests)  # records before the CPU columns have none
+    if has_cpu:
+        by_cpu = sorted(tests, key=lambda t: -(t["cpu_controller_s"] + t["cpu_labs_s"]))[:top]
+        lines += ["", f"most CPU {len(by_cpu)} tests (controller + labs):"]
+        lines += [f"  {t['cpu_controller_s'] + t['cpu_labs_s']:8.1f} s  ({t['cpu_controller_s']:.1f} + "
+                  f"{t['cpu_labs_s']:.1f})  {t['nodeid']}" for t in by_cpu]
+    lines += ["", "per group (sum of its tests; a group runs on one worker, in order)"
+              + (": wall, then CPU on the controller + in the labs" if has_cpu else ":")]
+    cpu_of = defaultdict(lambda: [0.0, 0.0])
+    for test in tests:
+        cpu_of[test["group"]][0] += test.get("cpu_controller_s", 0.0)
+        cpu_of[test["group"]][1] += test.get("cpu_labs_s", 0.0)
+    lines += [f"  {sum(v):8.1f} s  {len(v):4} tests  "
+              + (f"CPU {cpu_of[group][0]:7.1f} + {cpu_of[group][1]:7.1f} s  " if has_cpu else "") + group
               for group, v in sorted(per_group.items(), key=lambda item: -sum(item[1]))]
+    if has_cpu:
+        lines.append(f"  all: CPU {sum(c[0] for c in cpu_of.values()):.0f} s on the controller + "
+                     f"{sum(c[1] for c in cpu_of.values()):.0f} s in the labs")
     return "\n".join(lines)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import run_times
 
@@ -19,8 +20,46 @@ def test_a_run_is_recorded_per_test_and_summed_per_group(tmp_path):
     assert [t["nodeid"] for t in record["tests"]] == [
         "tests/test_a.py::test_lab", "tests/test_b.py::test_broken", "tests/test_b.py::test_unit"]
     assert record["tests"][0] == {"nodeid": "tests/test_a.py::test_lab", "group": "lab-bookworm",
-                                  "seconds": 151.5, "outcome": "passed"}
+                                  "seconds": 151.5, "outcome": "passed", "cpu_controller_s": 0.0,
+                                  "cpu_labs_s": 0.0}
     assert record["counts"] == {"passed": 2, "failed": 1}
     text = run_times.summary(record, top=2)
     assert "151.5 s  passed   tests/test_a.py::test_lab" in text and "test_unit" not in text.split("per group")[0]
-    assert "151.5 s     1 tests  lab-bookworm" in text and "2.2 s     2 tests  tests/test_b.py" in text
+    assert "151.5 s     1 tests  CPU     0.0 +     0.0 s  lab-bookworm" in text
+    assert "2.2 s     2 tests  CPU     0.0 +     0.0 s  tests/test_b.py" in text
+    old = {**record, "tests": [{k: v for k, v in t.items() if not k.startswith("cpu_")} for t in record["tests"]]}
+    assert "151.5 s     1 tests  lab-bookworm" in run_times.summary(old)  # a record from before the CPU columns
+
+
+def test_cpu_is_recorded_per_test_and_summed_per_group(tmp_path):
+    times = run_times.RunTimes()
+    times.add("tests/test_a.py::test_lab", "setup", 100.0, "passed", (40.0, 90.0))
+    times.add("tests/test_a.py::test_lab", "call", 10.0, "passed", (2.5, 7.5))
+    times.add("tests/test_b.py::test_unit", "call", 1.0, "passed", (1.0, 0.0))
+    record = times.record({"tests/test_a.py::test_lab": "lab-bookworm"}, [], 0, 2)
+    assert record["tests"][0]["cpu_controller_s"] == 42.5 and record["tests"][0]["cpu_labs_s"] == 97.5
+    text = run_times.summary(record, top=5)
+    assert "140.0 s  (42.5 + 97.5)  tests/test_a.py::test_lab" in text
+    assert "CPU    42.5 +    97.5 s  lab-bookworm" in text
+    assert "all: CPU 44 s on the controller + 98 s in the labs" in text
+
+
+def test_labs_cpu_counts_the_named_labs_live_and_reaped_time(tmp_path):
+    """Read the way /proc shows it: the lab's processes by their systemd cgroup, utime stime cutime
+    cstime (fields 14-17) each; another lab whose name only starts the same is not counted."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def process(pid: int, cgroup: str, ticks: tuple[int, int, int, int], comm: str = "python3") -> None:
+        entry = tmp_path / str(pid)
+        entry.mkdir()
+        (entry / "cgroup").write_text(f"9:name=systemd:{cgroup}\n1:cpu:/\n0::{cgroup}\n")
+        (entry / "stat").write_text(f"{pid} ({comm}) S 1 1 1 0 -1 0 0 0 0 0 {' '.join(map(str, ticks))} 20 0\n")
+
+    process(10, "/gptoss-lab-pytest-gw0/supervisor", (tick, 0, 0, 0))
+    process(11, "/gptoss-lab-pytest-gw0/payload/init.scope", (tick, tick, 3 * tick, tick), comm="sys temd) x")
+    process(12, "/gptoss-lab-pytest-gw0-copy/payload/system.slice/gptoss-vllm.service", (2 * tick, 0, 0, 0))
+    process(13, "/gptoss-lab-pytest-gw01/payload", (50 * tick, 0, 0, 0))  # another worker's lab
+    process(14, "/user.slice", (70 * tick, 0, 0, 0))
+    (tmp_path / "self").mkdir()
+    assert run_times.labs_cpu_s("pytest-gw0", tmp_path) == 1 + 6 + 2
+    assert run_times.labs_cpu_s("pytest-gw0-copy", tmp_path) == 2
