@@ -102,15 +102,30 @@ class Olah:
     def url(self) -> str:
         return f"http://{self.address}:{self.port}"
 
+    def settings(self) -> str:
+        """The [basic] lines beyond address and caches, and the [accessibility] table."""
+        return f'mirrors-path = ["{self.mirrors}"]\n[accessibility]\noffline = true\n'
+
     def config(self) -> Path:
         path = self.workdir / "olah.toml"
         path.write_text(
             "[basic]\n"
             f'host = "{self.address}"\nport = {self.port}\n'
-            f'repos-path = "{self.workdir / "repos"}"\n'
-            f'mirrors-path = ["{self.mirrors}"]\n'
-            "[accessibility]\noffline = true\n")
+            f'repos-path = "{self.workdir / "repos"}"\n' + self.settings())
         return path
+
+    def serve_repo_info(self, repo_id: str, commit: str) -> None:
+        """Let this offline mirror answer `api/models/<repo>` (the repository's info without a
+        revision), which an olah proxy in front asks before every API call (its visibility check).
+        Offline, olah answers it only from `<repos-path>/api/models/<repo>/revision/*/meta_head.json`
+        (what an olah that once ran online keeps; olah/utils/repo_utils.py
+        get_newest_commit_hf_offline), never from its git mirror: without it the proxy answers 401
+        Repository not found. Stored here is olah's own answer to `api/models/<repo>/revision/<commit>`."""
+        with urllib.request.urlopen(f"{self.url}/api/models/{repo_id}/revision/{commit}", timeout=60) as answer:  # noqa: S310
+            meta = answer.read()
+        path = self.workdir / "repos" / "api" / "models" / repo_id / "revision" / commit / "meta_head.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(meta)
 
     def start(self, timeout: float = 60) -> Olah:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -162,6 +177,36 @@ class Olah:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class OlahProxy(Olah):
+    """olah online, as a caching proxy in front of `upstream` (another olah: a hub to it), with its
+    block cache. Unlike the git mirror it answers a Range request with 206 and only those bytes
+    (olah/proxy/files.py). Its blocks are fetched from the upstream with Range; the git mirror
+    upstream answers those with 200 and the whole file, so a block must hold the whole file
+    (`block_size` at least the largest file; olah needs a multiple of its 1 MiB chunks): with
+    smaller blocks a block past the first gets the file's first bytes and the answer breaks off."""
+
+    def __init__(self, venv: Path, upstream: Olah, workdir: Path, block_size: int, address: str = "127.0.0.1",
+                 port: int = 0):
+        super().__init__(venv, upstream.mirrors, workdir, address, port)
+        self.upstream, self.block_size = upstream, block_size
+
+    def settings(self) -> str:
+        netloc = f"{self.upstream.address}:{self.upstream.port}"
+        return (f"cache-block-size = {self.block_size}\n"
+                f'hf-scheme = "http"\nhf-netloc = "{netloc}"\nhf-lfs-netloc = "{netloc}"\n'
+                "[accessibility]\noffline = false\n")
+
+    def upstream_requests(self) -> list[str]:
+        """What it asked its upstream, as "METHOD /path STATUS" (its httpx log lines), in order."""
+        lines = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            if "HTTP Request: " in line and '"HTTP/' in line:
+                method, url = line.split("HTTP Request: ", 1)[1].split('"')[0].split()[:2]
+                path = "/" + url.split("/", 3)[3] if url.count("/") >= 3 else url
+                lines.append(f"{method} {path} {line.rsplit('HTTP/', 1)[1].split()[1]}")
+        return lines
 
 
 def copy_model(source: Path) -> dict[str, bytes]:

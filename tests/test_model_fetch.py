@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from mirror_server import MirrorServer
-from olah_server import HubRepo, Olah, install_olah
+from olah_server import HubRepo, Olah, OlahProxy, install_olah
 
 REPO = Path(__file__).resolve().parents[1]
 COLLECTIONS = REPO / "collections"
@@ -237,3 +237,34 @@ def test_hf_source_against_a_real_hub_mirror(tmp_path):
         assert missing["failed"] and olah.url in missing["msg"] and "404" in missing["msg"], missing
         assert "Entry Not Found" in missing["msg"] and "unchanged" in missing["msg"]
         assert tree(dest)["model.safetensors"] == hashlib.sha256(files["model.safetensors"]).hexdigest()
+
+
+def test_hf_download_resumes_a_partial_file_with_range_and_restarts_where_range_is_ignored(tmp_path):
+    """A killed run leaves `<name>.partial`; the next run asks for the rest. An olah proxy (in front
+    of the git mirror) answers 206 and only the rest; the git mirror itself answers 200 and the whole
+    file, which the client writes from byte 0 again. Both end verified; a partial with wrong bytes
+    is refused by its sha256 and deleted."""
+    size, kept = 8 << 20, 3 << 20
+    data = os.urandom(size)
+    repo = HubRepo(tmp_path / "mirrors", "gptoss-test/tiny")
+    commit = repo.commit({"model.safetensors": data}, "first")
+    spec = mf.FileSpec("model.safetensors", size, hashlib.sha256(data).hexdigest())
+    venv = install_olah()
+    with Olah(venv, tmp_path / "mirrors", tmp_path / "olah") as mirror:
+        mirror.serve_repo_info(repo.repo_id, commit)
+        with OlahProxy(venv, mirror, tmp_path / "proxy", block_size=16 << 20) as proxy:
+            for server, status in ((proxy, "206"), (mirror, "200")):
+                staging = tmp_path / f"staging-{status}"
+                staging.mkdir()
+                (staging / "model.safetensors.partial").write_bytes(data[:kept])
+                since = len(server.requests())
+                mf.hf_download(repo.repo_id, commit, spec, staging, server.url, None)
+                gets = [r for r in server.requests()[since:] if r.startswith("GET ")]
+                assert gets == [f"GET /{repo.repo_id}/resolve/{commit}/model.safetensors {status}"], gets
+                assert tree(staging) == {"model.safetensors": spec.sha256}
+            bad = tmp_path / "staging-bad"
+            bad.mkdir()
+            (bad / "model.safetensors.partial").write_bytes(bytes(kept))
+            with pytest.raises(mf.FetchError, match="sha256 .* does not match"):
+                mf.hf_download(repo.repo_id, commit, spec, bad, proxy.url, None)
+            assert tree(bad) == {}

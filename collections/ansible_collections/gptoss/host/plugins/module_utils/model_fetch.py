@@ -208,12 +208,17 @@ def download_file(url: str, dest: Path, spec: FileSpec, progress: Progress | Non
             os.fsync(out.fileno())
     if have != spec.size:
         raise FetchError(f"{spec.path}: the source ended at {have} of {spec.size} bytes; the partial file is kept")
+    finish_partial(partial, dest, spec)
+    return True
+
+
+def finish_partial(partial: Path, dest: Path, spec: FileSpec) -> None:
+    """A whole partial file becomes `dest` only if it is the one described; a wrong one is deleted."""
     problem = verify_file(partial, spec)
     if problem:
         partial.unlink()
         raise FetchError(f"{problem}; refused, the live folder is unchanged")
     os.replace(partial, dest)
-    return True
 
 
 def fetch_to_staging(base_url: str, staging: Path, files: list[FileSpec], progress: Progress | None = None,
@@ -319,16 +324,42 @@ def hf_file_list(repo_id: str, revision: str, endpoint: str | None, token: str |
 
 def hf_download(repo_id: str, revision: str, spec: FileSpec, staging: Path, endpoint: str | None,
                 token: str | None) -> None:
-    """GET resolve/<commit>/<path> through the official client (HEAD first for X-Repo-Commit and the
-    ETag). It keeps a partial file under staging/.cache and asks for the rest with a Range header on
-    the next run; a server that ignores Range (olah's git mirrors) sends the file again from 0."""
-    from huggingface_hub import hf_hub_download
+    """HEAD then GET resolve/<commit>/<path> with the official client's own calls, into
+    `<name>.partial`, resumed with a Range request from its length on the next run.
 
+    hf_hub_download itself cannot resume a killed run: since huggingface_hub 1.x it writes each
+    attempt to a new `<etag>.<random>.incomplete` opened empty (its PR 4228), so a killed download
+    leaves that file behind and the next run starts from byte 0. http_get (the client's GET, with
+    its retries, redirects and token handling) takes the bytes already there instead; a server that
+    ignores Range answers 200 and http_get starts the file over. Files the hub keeps in Xet storage
+    (HEAD answers X-Xet-Hash) go through hf_hub_download, whose Xet path has no byte ranges to resume."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.utils import build_hf_headers
+
+    what = f"downloading {spec.path} of {repo_id} at {revision}"
     try:
-        hf_hub_download(repo_id, spec.path, revision=revision, local_dir=str(staging),
-                        endpoint=endpoint or None, token=token or None)
+        url = hf_hub_url(repo_id, spec.path, revision=revision, endpoint=endpoint or None)
+        meta = get_hf_file_metadata(url, token=token or None, endpoint=endpoint or None)
+        if meta.xet_file_data is not None:
+            hf_hub_download(repo_id, spec.path, revision=revision, local_dir=str(staging),
+                            endpoint=endpoint or None, token=token or None)
+            return
+        dest = staging / spec.path
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        partial = partial_path(dest)
+        if partial.is_file() and partial.stat().st_size > spec.size:
+            partial.unlink()
+        partial.touch()
+        with partial.open("r+b") as out:
+            have = out.seek(0, os.SEEK_END)
+            http_get(url, out, resume_size=have, headers=build_hf_headers(token=token or None),
+                     expected_size=spec.size, displayed_filename=spec.path)
+            out.flush()
+            os.fsync(out.fileno())
     except Exception as err:  # noqa: BLE001 (as above)
-        raise hub_error(endpoint, f"downloading {spec.path} of {repo_id} at {revision}", err) from err
+        raise hub_error(endpoint, what, err) from err
+    finish_partial(partial, dest, spec)
 
 
 def modelscope_file_list(model_id: str, revision: str, token: str | None) -> list[FileSpec]:

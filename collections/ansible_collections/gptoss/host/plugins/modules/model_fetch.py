@@ -15,9 +15,10 @@ description:
   - The bytes still missing must fit the target's file system (plus a margin); this is checked
     before anything is downloaded.
   - Files are fetched into a staging folder next to I(dest) and resumed from where a killed run
-    stopped (HTTP Range for mirrors). Every file is checked by sha256 (the manifest's, or the hub's
-    LFS sha256; the hub's git blob id for small non-LFS files); one wrong byte refuses the whole
-    set and I(dest) is not touched.
+    stopped (an HTTP Range request, for mirrors and hf; a server that ignores Range sends the
+    file again). Every file is checked by sha256 (the manifest's, or the hub's LFS sha256; the
+    hub's git blob id for small non-LFS files); one wrong byte refuses the whole set and I(dest)
+    is not touched.
   - The staging folder replaces I(dest) in one rename exchange, so I(dest) is never half-replaced.
   - With I(time_budget_s) the module returns after about that many seconds of downloading with
     C(done=false); the action plugin of the same name calls it again and prints progress on the
