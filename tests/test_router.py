@@ -224,6 +224,9 @@ def test_one_read_of_zero_between_requests_is_not_a_drain():
         fake.running = [1, 0, 0, 5]  # two reads of 0 in a row: drained, and the 5 after is never read
         result = router_drain.take_out(fake.url, fake.url, timeout_s=5, on_timeout="abort", poll_s=0.05)
         assert result["drained"] is True and result["in_flight"] == 0 and fake.running == [5]
+        fake.running = [0, 3]  # a 0 read as the bound runs out (timeout 0) still wants its second read
+        with pytest.raises(router_drain.DrainAborted, match=r"3 request\(s\) in flight after"):
+            router_drain.take_out(fake.url, fake.url, timeout_s=0, on_timeout="abort", poll_s=0.05)
     finally:
         fake.close()
 

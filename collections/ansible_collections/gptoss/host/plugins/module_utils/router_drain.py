@@ -100,7 +100,9 @@ def take_out(router_url: str, worker_url: str, timeout_s: float, on_timeout: str
     count, zeros = worker_in_flight(worker_url), 0
     while count is not None:  # None: the unit does not answer, there is nothing left to wait for
         zeros = zeros + 1 if count == 0 else 0
-        if zeros >= QUIET_READS or time.monotonic() - started >= timeout_s:
+        # At the bound a read of 0 still wants its second one (one more poll at most): a single 0 read
+        # as the time runs out is no more a drain than one before it.
+        if zeros >= QUIET_READS or (zeros == 0 and time.monotonic() - started >= timeout_s):
             break
         time.sleep(poll_s)
         count = worker_in_flight(worker_url)
