@@ -1,4 +1,5 @@
-"""Issue 26: model_weights_source hf against a real hub mirror (olah, offline, serving a git repository).
+"""Issue 26: model_weights_source hf against a real hub mirror (olah, offline, serving a git repository;
+for the resume, a second olah in front of it as a caching proxy).
 
 olah runs on the controller (its own venv, `invoke lab.olah`) on the lab's address and serves the tiny
 model as a hub repository (tests/olah_server.py): safetensors as LFS, config and tokenizer files as git
@@ -16,10 +17,11 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.request
 
 import pytest
 from conftest import ROOT, VENV_BIN, Lab, record_timing
-from olah_server import HubRepo, Olah, copy_model, git, install_olah
+from olah_server import HubRepo, Olah, OlahProxy, copy_model, git, install_olah
 
 TINY_MODEL = ROOT / ".cache" / "tiny-llama-chat-bin"
 REPO_ID = "gptoss-test/tiny-llama"
@@ -30,7 +32,9 @@ BIG = 128 << 20  # about 7 s through olah on this machine: long enough to be cau
 @pytest.fixture(scope="module")
 def hub(lab: Lab, tmp_path_factory):
     """olah serving REPO_ID: commit `small` (the tiny model as safetensors) and `big` (plus one large
-    LFS file) on main; the lab's hub folder is removed afterwards."""
+    LFS file) on main, and a second olah in front of it as a caching proxy (the one that answers
+    Range: tests/olah_server.py OlahProxy, its block as large as the largest file); the lab's hub
+    folder is removed afterwards."""
     olah_venv = install_olah()
     work = tmp_path_factory.mktemp("hub")
     model = work / "model"
@@ -43,7 +47,10 @@ def hub(lab: Lab, tmp_path_factory):
     small = repo.commit(files, "tiny llama as safetensors")
     big = repo.commit({"assets/blob.dat": os.urandom(BIG)}, "a large LFS file")
     olah = Olah(olah_venv, work / "mirrors", work / "olah", address=lab.state.address).start()
-    yield {"olah": olah, "repo": repo, "files": files, "small": small, "big": big}
+    olah.serve_repo_info(REPO_ID, big)
+    proxy = OlahProxy(olah_venv, olah, work / "proxy", block_size=2 * BIG, address=lab.state.address).start()
+    yield {"olah": olah, "proxy": proxy, "repo": repo, "files": files, "small": small, "big": big}
+    proxy.stop()
     olah.stop()
     lab.sh(f"rm -rf {HUB_DIR} /models/.tiny-llama-hub.*")
 
@@ -96,9 +103,20 @@ def hub_tree(lab: Lab) -> dict[str, str]:
     return {line.split()[1][2:]: line.split()[0] for line in out.splitlines() if line.strip()}
 
 
-def incomplete_bytes(lab: Lab) -> int:
-    out = lab.sh("find /models/.tiny-llama-hub.staging-* -name '*.incomplete' -printf '%s\\n' 2>/dev/null || true")
+def partial_bytes(lab: Lab) -> int:
+    """The bytes a killed run left in the staging folder (`<name>.partial`)."""
+    out = lab.sh("find /models/.tiny-llama-hub.staging-* -name '*.partial' -printf '%s\\n' 2>/dev/null || true")
     return sum(int(n) for n in out.split())
+
+
+def bytes_answered(url: str, start: int) -> tuple[int, int]:
+    """(status, bytes of the body) of `GET url` with `Range: bytes=<start>-`, read to the end."""
+    request = urllib.request.Request(url, headers={"Range": f"bytes={start}-"})
+    with urllib.request.urlopen(request, timeout=300) as answer:  # noqa: S310
+        size = 0
+        while block := answer.read(1 << 20):
+            size += len(block)
+        return answer.status, size
 
 
 def test_hf_source_downloads_serves_verifies_then_changes_nothing(lab: Lab, hub):
@@ -133,31 +151,36 @@ def test_hf_source_downloads_serves_verifies_then_changes_nothing(lab: Lab, hub)
         assert back.rc == 0, back.output[-3000:]
 
 
-def test_a_play_killed_mid_file_ends_verified_on_the_next_run(lab: Lab, hub):
-    """Must-show 2. olah's git mirror answers a Range request with 200 and the whole file (its
-    get_file streams the blob from byte 0), so the client starts that file over: the bytes the next
-    run fetched are counted from the partial file left behind and olah's answer."""
-    olah = hub["olah"]
-    extra = hf_vars(hub, hub["big"])
-    since = len(olah.requests())
+def test_a_play_killed_mid_file_resumes_on_the_next_run(lab: Lab, hub):
+    """Must-show 2, through the olah proxy (the git mirror itself answers Range with 200 and the
+    whole file): the play killed mid-file, the re-run asks for the rest (Range from the partial
+    file's length), the proxy answers 206, the file ends verified."""
+    proxy = hub["proxy"]
+    extra = hf_vars(hub, hub["big"], model_weights_hf_endpoint=proxy.url)
+    resolve = f"/{REPO_ID}/resolve/{hub['big']}/assets/blob.dat"
+    lab.sh("rm -rf /models/.tiny-llama-hub.staging-*")  # no partial file from an earlier run
+    since = len(proxy.requests())
     proc = start_model_play(lab, extra)
-    wait_for_request(olah, "GET /" + REPO_ID + "/resolve/" + hub["big"] + "/assets/blob.dat", since)
+    wait_for_request(proxy, "GET " + resolve, since)
     time.sleep(2.5)
     kill_play(lab, proc)
-    kept = incomplete_bytes(lab)
+    kept = partial_bytes(lab)
     assert 0 < kept < BIG, f"not caught mid-file: {kept} bytes of {BIG}"
     assert lab.sh(f"test -e {HUB_DIR}/assets/blob.dat && echo yes || echo no").strip() == "no"
-    before = len(olah.requests())
+    before, upstream_before = len(proxy.requests()), len(proxy.upstream_requests())
     started = time.monotonic()
     again = model_play(lab, extra)
     assert again.rc == 0, again.output[-4000:]
     record_timing("hub_mirror_rerun_after_kill", time.monotonic() - started)
-    gets = [r for r in olah.requests()[before:] if r.startswith("GET") and "assets/blob.dat " in r]
-    # The client asked for the rest (Range, from its partial file); olah answered 200, the whole file.
-    assert len(gets) == 1 and gets[0].endswith(" 200"), olah.requests()[before:]
+    gets = [r for r in proxy.requests()[before:] if r.startswith("GET " + resolve + " ")]
+    assert gets == [f"GET {resolve} 206"], proxy.requests()[before:]
     assert lab.sh(f"sha256sum {HUB_DIR}/assets/blob.dat").split()[0] == hub["repo"].lfs_sha256("assets/blob.dat")
-    print(f"killed with {kept} of {BIG} bytes in the partial file; the re-run fetched the file again from "
-          f"byte 0 (olah ignores Range): {BIG} bytes, run took {again.seconds:.1f}s")
+    # What the proxy sends for that request (Range from the partial file's length), read here.
+    status, sent = bytes_answered(proxy.url + resolve, kept)
+    assert status == 206 and sent == BIG - kept, (status, sent)
+    print(f"killed with {kept} of {BIG} bytes in the partial file; the re-run's GET was answered 206 with "
+          f"the rest, {sent} bytes; the run took {again.seconds:.1f}s; the proxy asked the mirror: "
+          + ", ".join(proxy.upstream_requests()[upstream_before:]))
 
 
 def test_a_revision_the_mirror_does_not_have_is_refused_and_the_live_folder_stays(lab: Lab, hub):
