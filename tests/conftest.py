@@ -161,9 +161,8 @@ def measured_cpu(item: pytest.Item, when: str):
     controller, labs = run_times.controller_cpu_s(), run_times.labs_cpu_s(LAB_NAME) if on_lab else 0.0
     yield
     labs_after = run_times.labs_cpu_s(LAB_NAME) if on_lab else 0.0
-    # A lab taken down in this phase takes its CPU with it: never a negative share.
-    item.user_properties.append(("cpu_s", when, round(run_times.controller_cpu_s() - controller, 2),
-                                 round(max(labs_after - labs, 0.0), 2)))
+    controller_s, labs_s = run_times.split_phase_cpu(run_times.controller_cpu_s() - controller, labs, labs_after)
+    item.user_properties.append(("cpu_s", when, round(controller_s, 2), round(labs_s, 2)))
 
 
 @pytest.hookimpl(hookwrapper=True)

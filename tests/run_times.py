@@ -71,6 +71,18 @@ def labs_cpu_s(lab_name: str, proc: Path = Path("/proc")) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def split_phase_cpu(controller_delta: float, labs_before: float, labs_after: float) -> tuple[float, float]:
+    """(controller, labs) CPU seconds of one phase from the two readings of each.
+
+    A lab stopped in the phase (taken down, or restarted: a new container starts from 0) takes its
+    lifetime CPU out of the labs' reading - and, when this process had started it (nspawn is then its
+    child), into this process's reaped children, the controller's reading. That moved share is taken
+    back out of the controller so no second is counted twice. (A lab booted and stopped within one
+    phase never shows in the labs' readings: its CPU counts as the controller's.)"""
+    vanished = max(labs_before - labs_after, 0.0)
+    return max(controller_delta - vanished, 0.0), max(labs_after - labs_before, 0.0)
+
+
 class RunTimes:
     """Collects the reports (on the xdist controller, or the single process) and writes the record."""
 

@@ -63,3 +63,10 @@ def test_labs_cpu_counts_the_named_labs_live_and_reaped_time(tmp_path):
     (tmp_path / "self").mkdir()
     assert run_times.labs_cpu_s("pytest-gw0", tmp_path) == 1 + 6 + 2
     assert run_times.labs_cpu_s("pytest-gw0-copy", tmp_path) == 2
+
+
+def test_a_stopped_labs_cpu_is_not_counted_again_on_the_controller():
+    # 600 s of lab CPU reaped into the controller's children when the lab went down in this phase.
+    assert run_times.split_phase_cpu(612.0, 600.0, 0.0) == (12.0, 0.0)
+    assert run_times.split_phase_cpu(30.0, 100.0, 140.0) == (30.0, 40.0)  # a lab that ran on
+    assert run_times.split_phase_cpu(5.0, 600.0, 20.0) == (0.0, 0.0)  # started by another process
