@@ -162,7 +162,7 @@ def measured_cpu(item: pytest.Item, when: str):
     yield
     labs_after = run_times.labs_cpu_s(LAB_NAME) if on_lab else 0.0
     controller_s, labs_s = run_times.split_phase_cpu(run_times.controller_cpu_s() - controller, labs, labs_after)
-    item.user_properties.append(("cpu_s", when, round(controller_s, 2), round(labs_s, 2)))
+    item.user_properties.append((f"cpu_s {when}", (round(controller_s, 2), round(labs_s, 2))))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -205,9 +205,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     times = TIMES_OF.get("run")
     if times is not None:
-        cpu = next(((controller, labs) for name, *value in report.user_properties if name == "cpu_s"
-                    for when, controller, labs in [value] if when == report.when), (0.0, 0.0))
-        times.add(report.nodeid, report.when, report.duration, report.outcome, cpu)
+        cpu = dict(report.user_properties).get(f"cpu_s {report.when}", (0.0, 0.0))
+        times.add(report.nodeid, report.when, report.duration, report.outcome, tuple(cpu))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

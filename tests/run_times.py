@@ -128,9 +128,9 @@ class RunTimes:
 def summary(record: Mapping, top: int = 15) -> str:
     """The slowest `top` tests and the total per group, as text."""
     tests = record["tests"]
-    per_group: dict[str, list[float]] = defaultdict(list)
+    per_group: dict[str, list[Mapping]] = defaultdict(list)
     for test in tests:
-        per_group[test["group"]].append(test["seconds"])
+        per_group[test["group"]].append(test)
     lines = [f"run of {record['written_at']}: wall {record['wall_s'] / 60:.1f} min, {record['workers']} workers, "
              f"exit {record['exit_status']}, "
              + (f"CPU {record['cpu_busy']:.0%} busy, " if record.get("cpu_busy") is not None else "")
@@ -145,14 +145,14 @@ def summary(record: Mapping, top: int = 15) -> str:
                   f"{t['cpu_labs_s']:.1f})  {t['nodeid']}" for t in by_cpu]
     lines += ["", "per group (sum of its tests; a group runs on one worker, in order)"
               + (": wall, then CPU on the controller + in the labs" if has_cpu else ":")]
-    cpu_of = defaultdict(lambda: [0.0, 0.0])
-    for test in tests:
-        cpu_of[test["group"]][0] += test.get("cpu_controller_s", 0.0)
-        cpu_of[test["group"]][1] += test.get("cpu_labs_s", 0.0)
-    lines += [f"  {sum(v):8.1f} s  {len(v):4} tests  "
-              + (f"CPU {cpu_of[group][0]:7.1f} + {cpu_of[group][1]:7.1f} s  " if has_cpu else "") + group
-              for group, v in sorted(per_group.items(), key=lambda item: -sum(item[1]))]
+
+    def total(group_tests: list[Mapping], key: str) -> float:
+        return sum(t.get(key, 0.0) for t in group_tests)
+
+    lines += [f"  {total(v, 'seconds'):8.1f} s  {len(v):4} tests  "
+              + (f"CPU {total(v, 'cpu_controller_s'):7.1f} + {total(v, 'cpu_labs_s'):7.1f} s  " if has_cpu else "")
+              + group for group, v in sorted(per_group.items(), key=lambda item: -total(item[1], "seconds"))]
     if has_cpu:
-        lines.append(f"  all: CPU {sum(c[0] for c in cpu_of.values()):.0f} s on the controller + "
-                     f"{sum(c[1] for c in cpu_of.values()):.0f} s in the labs")
+        lines.append(f"  all: CPU {total(tests, 'cpu_controller_s'):.0f} s on the controller + "
+                     f"{total(tests, 'cpu_labs_s'):.0f} s in the labs")
     return "\n".join(lines)
