@@ -149,6 +149,17 @@ def partial_path(path: Path) -> Path:
     return path.with_name(path.name + ".partial")
 
 
+def kept_partial(dest: Path, spec: FileSpec) -> tuple[Path, int]:
+    """`dest`'s partial file and the bytes a killed run left in it to resume from; one longer than the
+    file is not this file's start and is dropped."""
+    partial = partial_path(dest)
+    have = partial.stat().st_size if partial.is_file() else 0
+    if have > spec.size:
+        partial.unlink()
+        have = 0
+    return partial, have
+
+
 def check_free_space(folder: Path, needed: int, margin: int = FREE_SPACE_MARGIN) -> None:
     free = shutil.disk_usage(folder).free
     if needed + margin > free:
@@ -185,11 +196,7 @@ def download_file(url: str, dest: Path, spec: FileSpec, progress: Progress | Non
                   deadline: float | None = None) -> bool:
     """Fetch one file to `dest` (via dest.partial, resumed) and verify it; False when the deadline hit first."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    partial = partial_path(dest)
-    have = partial.stat().st_size if partial.is_file() else 0
-    if have > spec.size:
-        partial.unlink()
-        have = 0
+    partial, have = kept_partial(dest, spec)
     if have < spec.size or spec.size == 0:
         stream, resumed = open_from(url, have, timeout)
         with stream, partial.open("ab" if resumed else "wb") as out:
@@ -347,12 +354,10 @@ def hf_download(repo_id: str, revision: str, spec: FileSpec, staging: Path, endp
             return
         dest = staging / spec.path
         dest.parent.mkdir(parents=True, exist_ok=True)
-        partial = partial_path(dest)
-        if partial.is_file() and partial.stat().st_size > spec.size:
-            partial.unlink()
+        partial, have = kept_partial(dest, spec)
         partial.touch()
         with partial.open("r+b") as out:
-            have = out.seek(0, os.SEEK_END)
+            out.seek(have)
             http_get(url, out, resume_size=have, headers=build_hf_headers(token=token or None),
                      expected_size=spec.size, displayed_filename=spec.path)
             out.flush()
