@@ -364,11 +364,36 @@ def configure_rootfs(state: LabState) -> None:
     manager_dropin.parent.mkdir(parents=True, exist_ok=True)
     manager_dropin.write_text("# written by lab.up: the core this lab's vLLM computes on (lab/nspawn.py allocate_cpu)\n"
                               f"[Manager]\nDefaultEnvironment=VLLM_CPU_OMP_THREADS_BIND={state.extra.get('cpu', 0)}\n")
+    install_vllm_nice(root)
     install_fstab_mounter(root)
     # grub-pc installs /etc/default/grub from this template (its postinst wants a real disk).
     grub_default = root / "etc/default/grub"
     if not grub_default.exists():
         shutil.copy(root / "usr/share/grub/default/grub", grub_default)
+
+
+# The weight of a lab's vLLM against the rest of the machine (the autogroup's nice, 0 to 19).
+LAB_VLLM_NICE = 10
+LAB_VLLM_NICE_DROPIN = f"""\
+# Written by lab.up (lab/nspawn.py install_vllm_nice). A lab's vLLM shares the controller's two cores and
+# kernel. Each systemd service is a session of its own, so the kernel's autogroup scheduler weighs it as
+# one group against the controller's session; under load vLLM's EngineCore spins on its worker's queue
+# and that group took nearly all of a core: an ansible-playbook beside it waited 152 s in the run queue
+# for 0.8 s of CPU, and a drill under load measured the starved play, not the toolkit (issue 28). At
+# nice {LAB_VLLM_NICE} the group yields to the play and still computes on every idle cycle. Lab only: a
+# serving host runs vLLM on cores of its own. Best effort ("-"): the kernel rate-limits these writes.
+[Service]
+ExecStartPost=-+/bin/sh -c 'for try in 1 2 3 4 5 6 7 8 9 10; do \\
+  echo {LAB_VLLM_NICE} > /proc/$$MAINPID/autogroup 2>/dev/null && exit 0; sleep 0.2; done; exit 1'
+"""
+
+
+def install_vllm_nice(root: Path) -> None:
+    """The drop-in above for the single unit and for every instance of the replica template."""
+    for unit in ("gptoss-vllm.service", "gptoss-vllm@.service"):
+        dropin = root / "etc/systemd/system" / f"{unit}.d" / "50-gptoss-lab-nice.conf"
+        dropin.parent.mkdir(parents=True, exist_ok=True)
+        dropin.write_text(LAB_VLLM_NICE_DROPIN)
 
 
 LAB_FSTAB_UNIT = """\
