@@ -11,17 +11,23 @@ server_access.py) and relied on by the tests:
   - `tree/<rev>` lists each file with size, git blob id and, for LFS, the sha256 (`lfs.oid`);
   - `resolve/<rev>/<path>`: HEAD answers X-Repo-Commit and ETag (the LFS sha256, or the blob id);
     GET sends the whole file and ignores Range (a resume restarts the file);
-  - tokens: never checked while offline (visibility is only ever asked of the upstream).
+  - tokens: never checked while offline (visibility is only ever asked of the upstream). Online, as a
+    proxy, olah asks its upstream whether the repository is visible with the caller's Authorization
+    header (server_access.py ensure_repo_visibility, cached per caller token) and answers a refusal
+    with 401 "Repository not found": a mirror in front of a hub that wants a token (TokenGate).
 """
 
 from __future__ import annotations
 
 import hashlib
+import http.client
+import http.server
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -187,8 +193,8 @@ class OlahProxy(Olah):
     (`block_size` at least the largest file; olah needs a multiple of its 1 MiB chunks): with
     smaller blocks a block past the first gets the file's first bytes and the answer breaks off."""
 
-    def __init__(self, venv: Path, upstream: Olah, workdir: Path, block_size: int, address: str = "127.0.0.1",
-                 port: int = 0):
+    def __init__(self, venv: Path, upstream: Olah | TokenGate, workdir: Path, block_size: int,
+                 address: str = "127.0.0.1", port: int = 0):
         super().__init__(venv, upstream.mirrors, workdir, address, port)
         self.upstream, self.block_size = upstream, block_size
 
@@ -207,6 +213,75 @@ class OlahProxy(Olah):
                 path = "/" + url.split("/", 3)[3] if url.count("/") >= 3 else url
                 lines.append(f"{method} {path} {line.rsplit('HTTP/', 1)[1].split()[1]}")
         return lines
+
+
+class TokenGate:
+    """The hub as a private repository's owner sees it: every request must carry `Authorization: Bearer
+    <token>`, or it is answered 401 as the hub answers a bad token; with it, the request goes on to
+    `upstream` (an offline olah) and its answer comes back as it is, streamed. An OlahProxy with this
+    gate as its upstream is then a mirror that demands the token (olah cannot be set to check one
+    itself): it forwards each caller's header and relays the refusal. `log`: "METHOD /path STATUS"."""
+
+    HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
+                  "proxy-authenticate", "proxy-authorization"}
+
+    def __init__(self, upstream: Olah, token: str, address: str = "127.0.0.1"):
+        self.upstream, self.token, self.address = upstream, token, address
+        self.mirrors = upstream.mirrors  # what an OlahProxy in front serves from (see OlahProxy)
+        self.log: list[str] = []
+        self.server: http.server.ThreadingHTTPServer | None = None
+        self.port = 0
+
+    def start(self) -> TokenGate:
+        gate = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.0"  # a body ends with the connection: no re-chunking here
+
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                gate.forward(self)
+
+            do_HEAD = do_GET  # noqa: N815
+
+            def log_message(self, *args) -> None:  # the gate's own log instead of stderr
+                pass
+
+        self.server = http.server.ThreadingHTTPServer((self.address, 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def forward(self, request: http.server.BaseHTTPRequestHandler) -> None:
+        if request.headers.get("Authorization") != f"Bearer {self.token}":
+            body = b'{"error":"Invalid credentials in Authorization header"}'
+            self.log.append(f"{request.command} {request.path} 401")
+            request.send_response(401)
+            request.send_header("Content-Type", "application/json")
+            request.send_header("X-Error-Message", "Invalid credentials in Authorization header")
+            request.send_header("Content-Length", str(len(body)))
+            request.end_headers()
+            if request.command != "HEAD":
+                request.wfile.write(body)
+            return
+        connection = http.client.HTTPConnection(self.upstream.address, self.upstream.port, timeout=120)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in self.HOP_BY_HOP | {"host"}}
+        connection.request(request.command, request.path, headers=headers)
+        answer = connection.getresponse()
+        self.log.append(f"{request.command} {request.path} {answer.status}")
+        request.send_response(answer.status)
+        for key, value in answer.getheaders():
+            if key.lower() not in self.HOP_BY_HOP:
+                request.send_header(key, value)
+        request.end_headers()
+        while request.command != "HEAD" and (block := answer.read(1 << 20)):
+            request.wfile.write(block)
+        connection.close()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
 
 
 def copy_model(source: Path) -> dict[str, bytes]:

@@ -21,7 +21,7 @@ import urllib.request
 
 import pytest
 from conftest import ROOT, VENV_BIN, Lab, record_timing
-from olah_server import HubRepo, Olah, OlahProxy, copy_model, git, install_olah
+from olah_server import HubRepo, Olah, OlahProxy, TokenGate, copy_model, git, install_olah
 
 TINY_MODEL = ROOT / ".cache" / "tiny-llama-chat-bin"
 REPO_ID = "gptoss-test/tiny-llama"
@@ -49,7 +49,8 @@ def hub(lab: Lab, tmp_path_factory):
     olah = Olah(olah_venv, work / "mirrors", work / "olah", address=lab.state.address).start()
     olah.serve_repo_info(REPO_ID, big)
     proxy = OlahProxy(olah_venv, olah, work / "proxy", block_size=2 * BIG, address=lab.state.address).start()
-    yield {"olah": olah, "proxy": proxy, "repo": repo, "files": files, "small": small, "big": big}
+    yield {"olah": olah, "proxy": proxy, "repo": repo, "files": files, "small": small, "big": big,
+           "venv": olah_venv, "work": work}
     proxy.stop()
     olah.stop()
     lab.sh(f"rm -rf {HUB_DIR} /models/.tiny-llama-hub.*")
@@ -244,3 +245,39 @@ def test_the_mirror_stopped_mid_run_is_named_and_the_next_run_completes(lab: Lab
     assert again.rc == 0, again.output[-4000:]
     assert said(again, f"revision {hub['big']} in place"), again.output[-3000:]
     assert lab.sh(f"sha256sum {HUB_DIR}/assets/blob.dat").split()[0] == hub["repo"].lfs_sha256("assets/blob.dat")
+
+
+def test_a_wrong_token_is_refused_naming_the_variable_and_the_right_one_downloads(lab: Lab, hub):
+    """Must-show 6: a mirror that demands a token. olah cannot be set to check one itself; online, as a
+    proxy, it asks its upstream whether the repository is visible with each caller's token and relays
+    the refusal (tests/olah_server.py TokenGate: the upstream hub wants `Bearer <token>`)."""
+    token = "hf_" + os.urandom(12).hex()
+    gate = TokenGate(hub["olah"], token, address=lab.state.address).start()
+    mirror = OlahProxy(hub["venv"], gate, hub["work"] / "gated", block_size=2 * BIG, address=lab.state.address)
+    mirror.start()
+    try:
+        if not hub_tree(lab):  # run alone: a live folder to keep first
+            assert model_play(lab, hf_vars(hub, hub["big"])).rc == 0
+        before = hub_tree(lab)
+        target = hub["small"] if before.get("assets/blob.dat") else hub["big"]
+        for sent in ("", "hf_" + os.urandom(12).hex()):  # none, and a wrong one
+            refused = model_play(lab, hf_vars(hub, target, model_weights_hf_endpoint=mirror.url,
+                                               model_weights_token=sent))
+            print(f"\ntoken {'wrong' if sent else 'none'}: rc={refused.rc}; the refusal: "
+                  + next((line.strip() for line in refused.output.splitlines() if mirror.url in line), "?")[:700])
+            assert refused.rc != 0
+            assert said(refused, mirror.url) and said(refused, "401"), refused.output[-3000:]
+            assert said(refused, "check model_weights_token"), refused.output[-3000:]
+            assert not sent or sent not in refused.output  # the module's token parameter is no_log
+            assert hub_tree(lab) == before
+        assert any(line.endswith(" 401") for line in gate.log), gate.log
+        accepted = model_play(lab, hf_vars(hub, target, model_weights_hf_endpoint=mirror.url,
+                                           model_weights_token=token))
+        print(f"token right: rc={accepted.rc}; the gate saw: {gate.log}")
+        assert accepted.rc == 0, accepted.output[-4000:]
+        assert token not in accepted.output
+        assert said(accepted, f"revision {target} in place"), accepted.output[-3000:]
+        assert any(line.endswith(" 200") for line in gate.log), gate.log
+    finally:
+        mirror.stop()
+        gate.stop()
