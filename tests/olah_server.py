@@ -238,10 +238,12 @@ class TokenGate:
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.0"  # a body ends with the connection: no re-chunking here
 
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                gate.forward(self)
-
-            do_HEAD = do_GET  # noqa: N815
+            def __getattr__(self, name: str):
+                # http.server calls do_<METHOD> as the request line spells it, and answers 501 where
+                # there is none: olah's file proxy spells its methods in lower case, and posts paths-info.
+                if name.startswith("do_"):
+                    return lambda: gate.forward(self)
+                raise AttributeError(name)
 
             def log_message(self, *args) -> None:  # the gate's own log instead of stderr
                 pass
@@ -252,28 +254,31 @@ class TokenGate:
         return self
 
     def forward(self, request: http.server.BaseHTTPRequestHandler) -> None:
+        method = request.command.upper()
         if request.headers.get("Authorization") != f"Bearer {self.token}":
             body = b'{"error":"Invalid credentials in Authorization header"}'
-            self.log.append(f"{request.command} {request.path} 401")
+            self.log.append(f"{method} {request.path} 401")
             request.send_response(401)
             request.send_header("Content-Type", "application/json")
             request.send_header("X-Error-Message", "Invalid credentials in Authorization header")
             request.send_header("Content-Length", str(len(body)))
             request.end_headers()
-            if request.command != "HEAD":
+            if method != "HEAD":
                 request.wfile.write(body)
             return
         connection = http.client.HTTPConnection(self.upstream.address, self.upstream.port, timeout=120)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in self.HOP_BY_HOP | {"host"}}
-        connection.request(request.command, request.path, headers=headers)
+        # olah asks paths-info with a form POST: its body goes on too.
+        length = int(request.headers.get("Content-Length") or 0)
+        connection.request(method, request.path, body=request.rfile.read(length) if length else None, headers=headers)
         answer = connection.getresponse()
-        self.log.append(f"{request.command} {request.path} {answer.status}")
+        self.log.append(f"{method} {request.path} {answer.status}")
         request.send_response(answer.status)
         for key, value in answer.getheaders():
             if key.lower() not in self.HOP_BY_HOP:
                 request.send_header(key, value)
         request.end_headers()
-        while request.command != "HEAD" and (block := answer.read(1 << 20)):
+        while method != "HEAD" and (block := answer.read(1 << 20)):
             request.wfile.write(block)
         connection.close()
 
