@@ -1,5 +1,6 @@
 """Issue 26: model_weights_source hf against a real hub mirror (olah, offline, serving a git repository;
-for the resume, a second olah in front of it as a caching proxy).
+for the resume, a second olah in front of it as a caching proxy; for the token, a third in front of an
+upstream that wants one).
 
 olah runs on the controller (its own venv, `invoke lab.olah`) on the lab's address and serves the tiny
 model as a hub repository (tests/olah_server.py): safetensors as LFS, config and tokenizer files as git
