@@ -91,32 +91,6 @@ def test_a_receipt_older_than_its_maximum_age_runs_the_whole_converge_and_says_w
     ends_on_the_receipt(lab)  # the full converge wrote a new receipt
 
 
-def test_changed_inputs_run_the_whole_converge_and_a_narrowed_run_writes_no_receipt(lab: Lab, tmp_path):
-    # The lab's model is copied from the controller (model_weights_source_dir). A copy of it of our
-    # own (the shared one is other labs' input too): the same files, so the host does not change.
-    source = tmp_path / "model"
-    shutil.copytree(ROOT / ".cache" / "tiny-llama-chat-bin", source)
-    own_source = {"model_weights_source_dir": str(source)}
-    result = lab.play("site.yml", extra_vars=own_source)
-    assert result.rc == 0 and "full converge: inputs (project files, variables, inventory or controller files)" \
-        in said(result.output), result.output[-5000:]
-    assert result.recap["changed"] == 0, result.output[-5000:]  # the receipt is bookkeeping, not a change
-    # A newer file in the controller folder is a changed input, though its content is the same.
-    later = time.time() + 5
-    os.utime(source / "config.json", (later, later))
-    touched = lab.play("site.yml", extra_vars=own_source)
-    assert touched.rc == 0 and "full converge: inputs" in said(touched.output), touched.output[-4000:]
-    ends_on_the_receipt(lab, "-e", json.dumps(own_source))
-
-    # --tags narrows a run: it runs (the inputs differ again) but writes no receipt.
-    receipt = lab.sh(f"cat {RECEIPT}")
-    tagged = lab.play("site.yml", "--tags", "nccl_env")
-    assert tagged.rc == 0 and "full converge: inputs" in said(tagged.output), tagged.output[-4000:]
-    assert "TASK [vllm_service : Roll out" not in tagged.output and lab.sh(f"cat {RECEIPT}") == receipt
-    # The receipt left here names this test's model folder: the next plain converge runs every role
-    # (its inputs differ) and writes a receipt of its own.
-
-
 def models_status(lab: Lab, key: str | None) -> int:
     """HTTP status of GET /v1/models with this Bearer key (vLLM's --api-key guards /v1/*)."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -214,3 +188,32 @@ def test_a_key_rotated_the_readmes_way_runs_the_converge_that_applies_it(lab: La
     assert result.rc == 0 and "full converge: inputs" in said(result.output), result.output[-4000:]
     assert models_status(lab, None) == 200 and models_status(lab, old) == 200  # no key: /v1 is open
     ends_on_the_receipt(lab)
+
+
+# Last in the file (the group runs in file order): it leaves a receipt of its own model folder, so the
+# key rotations above start from a receipt that holds (their settle run ends on it) instead of paying a
+# full converge for this test's inputs.
+def test_changed_inputs_run_the_whole_converge_and_a_narrowed_run_writes_no_receipt(lab: Lab, tmp_path):
+    # The lab's model is copied from the controller (model_weights_source_dir). A copy of it of our
+    # own (the shared one is other labs' input too): the same files, so the host does not change.
+    source = tmp_path / "model"
+    shutil.copytree(ROOT / ".cache" / "tiny-llama-chat-bin", source)
+    own_source = {"model_weights_source_dir": str(source)}
+    result = lab.play("site.yml", extra_vars=own_source)
+    assert result.rc == 0 and "full converge: inputs (project files, variables, inventory or controller files)" \
+        in said(result.output), result.output[-5000:]
+    assert result.recap["changed"] == 0, result.output[-5000:]  # the receipt is bookkeeping, not a change
+    # A newer file in the controller folder is a changed input, though its content is the same.
+    later = time.time() + 5
+    os.utime(source / "config.json", (later, later))
+    touched = lab.play("site.yml", extra_vars=own_source)
+    assert touched.rc == 0 and "full converge: inputs" in said(touched.output), touched.output[-4000:]
+    ends_on_the_receipt(lab, "-e", json.dumps(own_source))
+
+    # --tags narrows a run: it runs (the inputs differ again) but writes no receipt.
+    receipt = lab.sh(f"cat {RECEIPT}")
+    tagged = lab.play("site.yml", "--tags", "nccl_env")
+    assert tagged.rc == 0 and "full converge: inputs" in said(tagged.output), tagged.output[-4000:]
+    assert "TASK [vllm_service : Roll out" not in tagged.output and lab.sh(f"cat {RECEIPT}") == receipt
+    # The receipt left here names this test's model folder: the next plain converge runs every role
+    # (its inputs differ) and writes a receipt of its own.

