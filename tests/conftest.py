@@ -49,28 +49,60 @@ BOOKWORM_LAB_FIXTURES = {"fresh_lab", "lab", "converged"}
 TRIXIE_LAB_FIXTURES = {"trixie_lab", "trixie_converged"}
 # The bookworm lab groups. The first ("origin", lab-bookworm) converges its lab from scratch: the tests
 # that read that first converge (check mode on a fresh host, idempotence, the files it wrote) and the
-# fresh-host steps run there. Every other group needs only a converged lab: under xdist its worker starts
+# fresh-host steps run there. The modules below need only a converged lab: under xdist a worker starts
 # one from an image of the origin's lab (lab/nspawn.py up_from_image) and runs one real converge of its
-# own, instead of the whole first converge again; so more workers cost little more than their tests.
+# own, instead of the whole first converge again. Each of these modules is a scheduling unit of its own
+# ("lab-bookworm-<module>"), and a worker keeps its lab (the `lab` fixture is per worker and session) for
+# every unit it runs: units are not labs, a run copies the origin's lab at most once per worker. So each
+# module leaves the lab as a converge left it, for whichever module runs next on that worker.
 ORIGIN_GROUP = "lab-bookworm"
-SECOND_BOOKWORM_LAB_MODULES = {"test_failpaths_lab", "test_faults", "test_verify_lab"}
-# The upgrade drill builds two more venvs and restarts vLLM a handful of times; the switches (issue 27:
-# every switch on, then off, then the lab put back) run there before it.
-# The hub mirror (issue 26: olah on the controller, model_weights runs, vLLM moved and put back) first.
-THIRD_BOOKWORM_LAB_MODULES = {"test_upgrade_lab", "test_switches_lab", "test_hub_mirror_lab", "test_monitoring_lab"}
-# The receipt's key rotations: five real converges.
-FOURTH_BOOKWORM_LAB_MODULES = {"test_converge_receipt_lab"}
-# Replicas behind the router, the web UI and the chat/fetch roles: each changes what the lab serves.
-FIFTH_BOOKWORM_LAB_MODULES = {"test_replicas_lab", "test_webui", "test_chat_and_fetch_lab"}
-BOOKWORM_GROUP_SETS = {"lab-bookworm-b": SECOND_BOOKWORM_LAB_MODULES, "lab-bookworm-c": THIRD_BOOKWORM_LAB_MODULES,
-                       "lab-bookworm-d": FOURTH_BOOKWORM_LAB_MODULES, "lab-bookworm-e": FIFTH_BOOKWORM_LAB_MODULES}
+COPIED_LAB_MODULES = {
+    "test_failpaths_lab", "test_faults", "test_verify_lab",
+    # The upgrade drill builds two more venvs and restarts vLLM a handful of times.
+    "test_upgrade_lab",
+    # Issue 27: every switch on, then off, then the lab put back.
+    "test_switches_lab",
+    # Issue 26: olah on the controller, model_weights runs, vLLM moved and put back.
+    "test_hub_mirror_lab",
+    "test_monitoring_lab",
+    # The receipt's key rotations: five real converges.
+    "test_converge_receipt_lab",
+    # Replicas behind the router, the web UI and the chat/fetch roles: each changes what the lab serves.
+    "test_replicas_lab", "test_webui", "test_chat_and_fetch_lab",
+}
+COPIED_GROUP_PREFIX = f"{ORIGIN_GROUP}-"
 # Modules that boot labs of their own: a group each (and none of them in `invoke test --quick`).
 OWN_LAB_MODULES = {"test_lab_image", "test_fleet_lab"}
-# The order the scheduler hands groups out, one to each free worker: the origin first (the others wait
-# for its image), then every test that needs no lab (other workers run them while the origin converges),
-# then the cloned groups, longest first.
-GROUP_ORDER = [ORIGIN_GROUP, "no-lab", "lab-bookworm-e", "lab-bookworm-b", "lab-bookworm-d", "lab-bookworm-c",
-               "lab-trixie", "lab-bare-bookworm", "lab-bare-trixie"]
+# The order the scheduler hands groups out, one to each worker as it frees: the origin first; then every
+# test that needs no lab, and the groups with labs of their own (trixie, the bare labs, the image test):
+# the other workers run them while the origin converges and saves its image, instead of waiting for it;
+# then the units on copied labs, longest first by the committed record of a full run (TIMES_RECORD), so
+# that no long unit starts last (session 13: the longest group started fourth and ended the run alone).
+FIRST_GROUPS = [ORIGIN_GROUP, "no-lab", "lab-trixie", "lab-bare-bookworm", "lab-bare-trixie", "lab-test_lab_image"]
+TIMES_RECORD = ROOT / "tests" / "data" / "test-times" / "full-run-session13.json"
+
+
+def module_seconds(record: Path = TIMES_RECORD) -> dict[str, float]:
+    """Wall seconds per test module in a committed full-run record ({} without one)."""
+    if not record.exists():
+        return {}
+    seconds: dict[str, float] = {}
+    for test in json.loads(record.read_text())["tests"]:
+        module = Path(test["nodeid"].split("::", 1)[0]).stem
+        seconds[module] = seconds.get(module, 0.0) + test["seconds"]
+    return seconds
+
+
+def group_rank(group: str, seconds: dict[str, float]) -> tuple[int, float]:
+    """Where `group` comes in the run: FIRST_GROUPS in their order (modules without a lab count as
+    "no-lab"), then the copied-lab units longest first, then anything else."""
+    if group in FIRST_GROUPS:
+        return FIRST_GROUPS.index(group), 0.0
+    if not group.startswith("lab-"):
+        return FIRST_GROUPS.index("no-lab"), 0.0
+    if group.startswith(COPIED_GROUP_PREFIX):
+        return len(FIRST_GROUPS), -seconds.get(group.removeprefix(COPIED_GROUP_PREFIX), 0.0)
+    return len(FIRST_GROUPS) + 1, 0.0
 
 
 RUN_TIMES = pytest.StashKey[run_times.RunTimes]()
@@ -88,8 +120,8 @@ def xdist_group_of(item: pytest.Item) -> str:
     if "apt_restored" in names:  # picks its lab at run time, by parameter
         return "lab-trixie" if params.get("apt_restored") == "trixie" else "lab-bookworm"
     if names & BOOKWORM_LAB_FIXTURES:
-        return next((group for group, modules in BOOKWORM_GROUP_SETS.items() if item.module.__name__ in modules),
-                    ORIGIN_GROUP)
+        module = item.module.__name__
+        return f"{COPIED_GROUP_PREFIX}{module}" if module in COPIED_LAB_MODULES else ORIGIN_GROUP
     if names & TRIXIE_LAB_FIXTURES:
         return "lab-trixie"
     if "bare_lab" in names:
@@ -119,12 +151,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     groups = {item.nodeid: xdist_group_of(item) for item in items}
     GROUPS_SEEN.update(groups)
 
-    def rank(item: pytest.Item) -> int:
-        group = groups[item.nodeid]
-        known = group if group in GROUP_ORDER else (None if group.startswith("lab-") else "no-lab")
-        return GROUP_ORDER.index(known) if known else len(GROUP_ORDER)
-
-    items.sort(key=rank)  # stable: tests keep their file order within a group
+    seconds = module_seconds()
+    items.sort(key=lambda item: group_rank(groups[item.nodeid], seconds))  # stable: file order within a group
     if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker: its parent is the controller
         target = groups_file(os.getppid())
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -134,7 +162,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """Load-group scheduling on the groups the workers wrote (see pytest_collection_modifyitems)."""
+    """Load-group scheduling on the groups the workers wrote (see pytest_collection_modifyitems), one group
+    at a time per worker."""
     from xdist.scheduler import LoadScopeScheduling
 
     class LabGroupScheduling(LoadScopeScheduling):
@@ -144,6 +173,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
             if self.groups is None:  # asked only once every worker has collected
                 self.groups = json.loads(groups_file(os.getpid()).read_text())
             return self.groups.get(nodeid) or nodeid.split("::", 1)[0]
+
+        def _reschedule(self, node) -> None:
+            """The next group goes to a worker only once it holds its last test (a worker runs a test when
+            it knows the next one, so it holds the last until more work or the end comes). xdist's own
+            rule hands it out with two tests still to run: a worker two lab tests from its end (minutes)
+            took a long group that another worker, free sooner, should have had."""
+            if not node.shutting_down and self.workqueue and self._pending_of(self.assigned_work[node]) > 1:
+                return
+            super()._reschedule(node)
 
     if config.getoption("dist") == "loadgroup":
         return LabGroupScheduling(config, log)
@@ -435,7 +473,7 @@ def clones_in_this_run() -> bool:
         return False
     path = groups_file(this_run())
     groups = set(json.loads(path.read_text()).values()) if path.exists() else set()
-    return ORIGIN_GROUP in groups and bool(groups & set(BOOKWORM_GROUP_SETS))
+    return ORIGIN_GROUP in groups and any(group.startswith(COPIED_GROUP_PREFIX) for group in groups)
 
 
 @pytest.fixture(scope="session")
