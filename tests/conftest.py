@@ -477,7 +477,7 @@ def clones_in_this_run() -> bool:
 
 
 @pytest.fixture(scope="session")
-def converged(fresh_lab: Lab) -> Converge | None:
+def converged(request: pytest.FixtureRequest) -> Converge | None:
     """--check --diff on the fresh lab, then a full converge, then a second (idempotence) run; then,
     when other workers wait for it, an image of the converged lab.
 
@@ -490,6 +490,9 @@ def converged(fresh_lab: Lab) -> Converge | None:
         # A copied lab's worker: the three runs are the origin's (test_foundation reads them there);
         # without this a second lab would be booted here and converged from scratch.
         return None
+    # Asked for here, not as a parameter: a parameter is set up before this body runs, and booted a fresh
+    # lab, for nothing, on every copied lab's worker whose test asks for `converged` (the monitoring test).
+    fresh_lab = request.getfixturevalue("fresh_lab")
     publish = clones_in_this_run()
     try:
         result = converge_three_ways(fresh_lab)
