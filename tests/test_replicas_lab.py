@@ -19,7 +19,7 @@ from conftest import ROOT, Lab, record_timing, run_invoke
 from load_client import Load
 
 # In the default run (it passed twice as a drill first): ~6-8 minutes of the CI budget (replica
-# converge, the roll, the way back), on the second bookworm lab (tests/conftest.py).
+# converge, the roll, the way back), on a copied lab (COPIED_LAB_MODULES, tests/conftest.py).
 
 REPLICAS = {"vllm_service_profile": "cpu-lab-x2", "router_enabled": True}
 OUT = ROOT / ".cache" / "bench" / "replicas"

