@@ -188,6 +188,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return None
 
 
+# The ansible-playbook runs of the test phase under way (Lab.play), each with its cost: the record keeps them.
+PLAYS_OF_THIS_PHASE: list[dict] = []
+
 # The group of the test being set up: a session fixture made for it (the lab) is the origin or a copy.
 CURRENT = {"group": ""}
 
@@ -197,10 +200,13 @@ def measured_cpu(item: pytest.Item, when: str):
     to the controller's record with the phase's report (user_properties travel with xdist's reports)."""
     on_lab = xdist_group_of(item).startswith("lab-")
     controller, labs = run_times.controller_cpu_s(), run_times.labs_cpu_s(LAB_NAME) if on_lab else 0.0
+    PLAYS_OF_THIS_PHASE.clear()
     yield
     labs_after = run_times.labs_cpu_s(LAB_NAME) if on_lab else 0.0
     controller_s, labs_s = run_times.split_phase_cpu(run_times.controller_cpu_s() - controller, labs, labs_after)
     item.user_properties.append((f"cpu_s {when}", (round(controller_s, 2), round(labs_s, 2))))
+    if PLAYS_OF_THIS_PHASE:
+        item.user_properties.append((f"plays {when}", list(PLAYS_OF_THIS_PHASE)))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -243,8 +249,10 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     times = TIMES_OF.get("run")
     if times is not None:
-        cpu = dict(report.user_properties).get(f"cpu_s {report.when}", (0.0, 0.0))
-        times.add(report.nodeid, report.when, report.duration, report.outcome, tuple(cpu))
+        properties = dict(report.user_properties)
+        cpu = properties.get(f"cpu_s {report.when}", (0.0, 0.0))
+        times.add(report.nodeid, report.when, report.duration, report.outcome, tuple(cpu),
+                  properties.get(f"plays {report.when}", []))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -314,9 +322,13 @@ class Lab:
         cmd = [str(VENV_BIN / "ansible-playbook"), playbook, *args]
         if extra_vars:
             cmd += ["-e", json.dumps(extra_vars)]
-        started = time.monotonic()
+        started, children, labs = time.monotonic(), run_times.children_cpu_s(), run_times.labs_cpu_s(LAB_NAME)
         proc = subprocess.run(cmd, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
-        return PlayResult(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - started)
+        result = PlayResult(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - started)
+        PLAYS_OF_THIS_PHASE.append(run_times.play_record(
+            playbook, [*args, *(["-e", "..."] if extra_vars else [])], result.rc, result.output, result.seconds,
+            run_times.children_cpu_s() - children, run_times.labs_cpu_s(LAB_NAME) - labs))
+        return result
 
     def checksums(self, *paths: str) -> dict[str, str]:
         """sha256 of each path on the lab ('absent' when missing): the 'nothing changed' evidence."""

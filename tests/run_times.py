@@ -44,6 +44,29 @@ def cpu_busy(start: tuple[int, int], end: tuple[int, int]) -> float | None:
     return round((end[0] - start[0]) / total, 3) if total > 0 else None
 
 
+def children_cpu_s() -> float:
+    """CPU seconds of the children this process has waited for (an ansible-playbook and what it ran)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return children.ru_utime + children.ru_stime
+
+
+# A converge that ended on the converge receipt (roles/gptoss_base) says this.
+RECEIPT_HELD = "holds: inputs and managed live state unchanged"
+
+
+def play_record(playbook: str, args: list[str], rc: int, output: str, seconds: float, controller_s: float,
+                labs_s: float) -> dict:
+    """One ansible-playbook run of a test: what ran, how it ended, what it cost, and how far it went
+    (tasks per the recap; `held`: ended on the receipt). The record's plays say which kind of run
+    (a full converge, one ended on the receipt, a refusal) the suite pays for how often."""
+    recap = re.search(r"^\S+\s*:\s*(ok=.*)$", output, re.MULTILINE)
+    counts = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", recap.group(1))} if recap else {}
+    return {"playbook": playbook, "args": [arg[:60] for arg in args], "rc": rc, "seconds": round(seconds, 1),
+            "cpu_controller_s": round(controller_s, 2), "cpu_labs_s": round(max(labs_s, 0.0), 2),
+            "tasks": sum(counts.get(k, 0) for k in ("ok", "skipped", "failed")),  # ok counts the changed
+            "changed": counts.get("changed", 0), "held": RECEIPT_HELD in " ".join(output.split())}
+
+
 def controller_cpu_s() -> float:
     """CPU seconds of this process and of the children it has waited for (subprocess.run waits)."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -92,10 +115,12 @@ class RunTimes:
         self.seconds: dict[str, float] = defaultdict(float)
         self.cpu: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # controller, labs
         self.outcomes: dict[str, str] = {}
+        self.plays: dict[str, list[dict]] = defaultdict(list)
 
     def add(self, nodeid: str, when: str, duration: float, outcome: str,
-            cpu: tuple[float, float] = (0.0, 0.0)) -> None:
+            cpu: tuple[float, float] = (0.0, 0.0), plays: Iterable[dict] = ()) -> None:
         self.seconds[nodeid] += duration
+        self.plays[nodeid] += plays
         self.cpu[nodeid][0] += cpu[0]
         self.cpu[nodeid][1] += cpu[1]
         if when == "call" or outcome != "passed":  # a failed setup is the test's outcome
@@ -104,7 +129,8 @@ class RunTimes:
     def record(self, groups: Mapping[str, str], args: Iterable[str], exit_status: int, workers: int) -> dict:
         tests = [{"nodeid": nodeid, "group": groups.get(nodeid) or nodeid.split("::", 1)[0],
                   "seconds": round(seconds, 2), "outcome": self.outcomes.get(nodeid, "skipped"),
-                  "cpu_controller_s": round(self.cpu[nodeid][0], 2), "cpu_labs_s": round(self.cpu[nodeid][1], 2)}
+                  "cpu_controller_s": round(self.cpu[nodeid][0], 2), "cpu_labs_s": round(self.cpu[nodeid][1], 2),
+                  **({"plays": self.plays[nodeid]} if self.plays[nodeid] else {})}
                  for nodeid, seconds in self.seconds.items()]
         counts: dict[str, int] = defaultdict(int)
         for test in tests:
@@ -152,6 +178,17 @@ def summary(record: Mapping, top: int = 15) -> str:
     lines += [f"  {total(v, 'seconds'):8.1f} s  {len(v):4} tests  "
               + (f"CPU {total(v, 'cpu_controller_s'):7.1f} + {total(v, 'cpu_labs_s'):7.1f} s  " if has_cpu else "")
               + group for group, v in sorted(per_group.items(), key=lambda item: -total(item[1], "seconds"))]
+    plays = [play for test in tests for play in test.get("plays", [])]
+    if plays:
+        lines += ["", "ansible-playbook runs of the lab tests (count, wall, CPU on the controller + in the lab):"]
+        for kind, chosen in (("ended on the receipt", [p for p in plays if p["held"]]),
+                             ("refused (rc != 0)", [p for p in plays if p["rc"] != 0]),
+                             ("ran to the end, 150+ tasks", [p for p in plays
+                                                             if not p["held"] and p["rc"] == 0 and p["tasks"] >= 150]),
+                             ("ran to the end, fewer tasks", [p for p in plays
+                                                              if not p["held"] and p["rc"] == 0 and p["tasks"] < 150])):
+            lines.append(f"  {len(chosen):4}  {total(chosen, 'seconds'):8.1f} s  "
+                         f"CPU {total(chosen, 'cpu_controller_s'):7.1f} + {total(chosen, 'cpu_labs_s'):7.1f} s  {kind}")
     if has_cpu:
         lines.append(f"  all: CPU {total(tests, 'cpu_controller_s'):.0f} s on the controller + "
                      f"{total(tests, 'cpu_labs_s'):.0f} s in the labs")

@@ -70,3 +70,27 @@ def test_a_stopped_labs_cpu_is_not_counted_again_on_the_controller():
     assert run_times.split_phase_cpu(612.0, 600.0, 0.0) == (12.0, 0.0)
     assert run_times.split_phase_cpu(30.0, 100.0, 140.0) == (30.0, 40.0)  # a lab that ran on
     assert run_times.split_phase_cpu(5.0, 600.0, 20.0) == (0.0, 0.0)  # started by another process
+
+
+def test_each_play_of_a_lab_test_is_kept_with_its_kind_and_cost():
+    """Lab.play's record of one ansible-playbook run: its recap's task count, whether it ended on the
+    receipt, its CPU; the summary counts the runs by kind."""
+    held = run_times.play_record(
+        "site.yml", [], 0, "TASK [x]\nok: full converge skipped: the receipt\n  holds: inputs and managed live state\n"
+        "  unchanged, nothing to do\nPLAY RECAP\ngptoss-lab : ok=20 changed=0 unreachable=0 failed=0 skipped=11\n",
+        2.84, 2.4, 0.5)
+    assert held == {"playbook": "site.yml", "args": [], "rc": 0, "seconds": 2.8, "cpu_controller_s": 2.4,
+                    "cpu_labs_s": 0.5, "tasks": 31, "changed": 0, "held": True}
+    full = run_times.play_record("site.yml", ["-e", "x" * 80], 0, "gptoss-lab : ok=184 changed=2 failed=0 "
+                                 "skipped=119\n", 40.0, 17.0, 22.0)
+    assert full["tasks"] == 303 and full["changed"] == 2 and not full["held"] and full["args"] == ["-e", "x" * 60]
+    refused = run_times.play_record("playbooks/vllm.yml", [], 2, "fatal: no PLAY RECAP", 5.0, 3.0, 1.0)
+    assert refused["tasks"] == 0 and refused["rc"] == 2
+    times = run_times.RunTimes()
+    times.add("tests/test_a.py::test_lab", "call", 50.0, "passed", (22.4, 23.5), [held, full, refused])
+    record = times.record({}, [], 0, 1)
+    assert record["tests"][0]["plays"] == [held, full, refused]
+    text = run_times.summary(record)
+    assert "   1       2.8 s  CPU     2.4 +     0.5 s  ended on the receipt" in text
+    assert "   1       5.0 s  CPU     3.0 +     1.0 s  refused (rc != 0)" in text
+    assert "   1      40.0 s  CPU    17.0 +    22.0 s  ran to the end, 150+ tasks" in text
