@@ -18,6 +18,7 @@ import json
 import os
 import re
 import resource
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
@@ -65,6 +66,48 @@ def play_record(playbook: str, args: list[str], rc: int, output: str, seconds: f
             "cpu_controller_s": round(controller_s, 2), "cpu_labs_s": round(max(labs_s, 0.0), 2),
             "tasks": sum(counts.get(k, 0) for k in ("ok", "skipped", "failed")),  # ok counts the changed
             "changed": counts.get("changed", 0), "held": RECEIPT_HELD in " ".join(output.split())}
+
+
+def mem_available_mib(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """The machine's MemAvailable in MiB (what can still be had without swapping), None where unreadable."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) // 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class MemoryFloor:
+    """The least MemAvailable seen during the run, sampled every `every_s` seconds by a daemon thread.
+    CI's machine has 24 GiB and no swap: a run that came near the floor is one the kernel's OOM
+    killer can fail (a vLLM worker was killed so in a run with one more lab beside it)."""
+
+    def __init__(self, every_s: float = 2.0, read=mem_available_mib) -> None:
+        self.least: int | None = None
+        self.read = read
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(every_s,), daemon=True, name="memory-floor")
+
+    def sample(self) -> None:
+        value = self.read()
+        if value is not None and (self.least is None or value < self.least):
+            self.least = value
+
+    def _run(self, every_s: float) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(every_s)
+
+    def start(self) -> MemoryFloor:
+        self._thread.start()
+        return self
+
+    def stop(self) -> int | None:
+        self._stop.set()
+        self.sample()
+        return self.least
 
 
 def controller_cpu_s() -> float:
@@ -116,6 +159,7 @@ class RunTimes:
         self.cpu: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # controller, labs
         self.outcomes: dict[str, str] = {}
         self.plays: dict[str, list[dict]] = defaultdict(list)
+        self.memory = MemoryFloor().start()
 
     def add(self, nodeid: str, when: str, duration: float, outcome: str,
             cpu: tuple[float, float] = (0.0, 0.0), plays: Iterable[dict] = ()) -> None:
@@ -138,6 +182,7 @@ class RunTimes:
         return {"written_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 "wall_s": round(time.monotonic() - self.started, 1), "exit_status": exit_status,
                 "args": list(args), "workers": workers, "cpu_busy": cpu_busy(self.cpu_started, cpu_times()),
+                "mem_available_min_mib": self.memory.stop(),
                 "counts": dict(counts), "tests": sorted(tests, key=lambda t: -t["seconds"])}
 
     def write(self, record: dict, directory: Path = TIMES_DIR) -> Path:
@@ -160,6 +205,8 @@ def summary(record: Mapping, top: int = 15) -> str:
     lines = [f"run of {record['written_at']}: wall {record['wall_s'] / 60:.1f} min, {record['workers']} workers, "
              f"exit {record['exit_status']}, "
              + (f"CPU {record['cpu_busy']:.0%} busy, " if record.get("cpu_busy") is not None else "")
+             + (f"least memory available {record['mem_available_min_mib']} MiB, "
+                if record.get("mem_available_min_mib") is not None else "")
              + f"{', '.join(f'{n} {k}' for k, n in sorted(record['counts'].items()))}",
              "", f"slowest {min(top, len(tests))} tests (setup + call + teardown):"]
     lines += [f"  {t['seconds']:8.1f} s  {t['outcome']:7}  {t['nodeid']}" for t in tests[:top]]

@@ -94,3 +94,18 @@ def test_each_play_of_a_lab_test_is_kept_with_its_kind_and_cost():
     assert "   1       2.8 s  CPU     2.4 +     0.5 s  ended on the receipt" in text
     assert "   1       5.0 s  CPU     3.0 +     1.0 s  refused (rc != 0)" in text
     assert "   1      40.0 s  CPU    17.0 +    22.0 s  ran to the end, 150+ tasks" in text
+
+
+def test_the_least_available_memory_of_the_run_is_kept():
+    readings = iter([9000, 4100, None, 6000])
+    floor = run_times.MemoryFloor(read=lambda: next(readings, 7000))
+    for _ in range(4):
+        floor.sample()
+    assert floor.stop() == 4100  # None (unreadable) is no reading; the last sample at stop is 7000
+    times = run_times.RunTimes()
+    times.memory = run_times.MemoryFloor(read=lambda: 1234)
+    times.add("tests/test_a.py::test_x", "call", 1.0, "passed")
+    record = times.record({}, [], 0, 1)
+    assert record["mem_available_min_mib"] == 1234
+    assert "least memory available 1234 MiB" in run_times.summary(record)
+    assert run_times.mem_available_mib() > 0  # this machine's /proc/meminfo
