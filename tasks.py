@@ -572,8 +572,9 @@ def test(c, k="", args="", workers=3, drills=False, quick=False):
 @task(name="test-times", help={"file": "a run's record (default: the last run, .cache/test-times/last.json)",
                                "top": "how many of the slowest tests to list"})
 def test_times(c, file="", top=15):
-    """The slowest tests, the costliest in CPU (controller + labs), and both per group, of a test run
-    (every `invoke test` writes the record)."""
+    """The slowest tests, the costliest in CPU (controller + labs), both per group, the lab tests'
+    ansible-playbook runs by kind and the least memory available, of a test run (every `invoke test`
+    writes the record)."""
     sys.path.insert(0, str(ROOT / "tests"))
     import run_times
 
