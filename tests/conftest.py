@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -319,14 +320,44 @@ class Lab:
 
     def play(self, playbook: str = "site.yml", *args: str, extra_vars: dict | None = None,
              timeout: float = 1800) -> PlayResult:
+        started = self._play_started(playbook, args, extra_vars)
+        proc = subprocess.run(started[0], cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
+        return self._play_ended(started, PlayResult(proc.returncode, proc.stdout + proc.stderr, 0.0))
+
+    def start_play(self, playbook: str, *args: str, extra_vars: dict | None = None) -> subprocess.Popen:
+        """ansible-playbook started, not waited for (a test that kills it, or loads the lab meanwhile), in
+        a session of its own (os.killpg ends it all); finish_play waits for it and keeps it in the record."""
+        started = self._play_started(playbook, args, extra_vars)
+        proc = subprocess.Popen(started[0], cwd=ROOT, env=self.env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        proc.gptoss_play = started  # type: ignore[attr-defined]
+        return proc
+
+    def finish_play(self, proc: subprocess.Popen, timeout: float = 1800) -> PlayResult:
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+        return self._play_ended(proc.gptoss_play, PlayResult(proc.returncode, output, 0.0))  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _play_started(playbook: str, args: tuple[str, ...], extra_vars: dict | None) -> tuple:
         cmd = [str(VENV_BIN / "ansible-playbook"), playbook, *args]
         if extra_vars:
             cmd += ["-e", json.dumps(extra_vars)]
-        started, children, labs = time.monotonic(), run_times.children_cpu_s(), run_times.labs_cpu_s(LAB_NAME)
-        proc = subprocess.run(cmd, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
-        result = PlayResult(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - started)
+        said = [playbook, *args, *(["-e", "..."] if extra_vars else [])]
+        return cmd, said, time.monotonic(), run_times.children_cpu_s(), run_times.labs_cpu_s(LAB_NAME)
+
+    @staticmethod
+    def _play_ended(started: tuple, result: PlayResult) -> PlayResult:
+        """The play in the record: its CPU is this process's children reaped meanwhile (for a play from
+        start_play, with whatever else the test ran then) and its lab's while it ran."""
+        _, said, at, children, labs = started
+        result.seconds = time.monotonic() - at
         PLAYS_OF_THIS_PHASE.append(run_times.play_record(
-            playbook, [*args, *(["-e", "..."] if extra_vars else [])], result.rc, result.output, result.seconds,
+            said[0], said[1:], result.rc, result.output, result.seconds,
             run_times.children_cpu_s() - children, run_times.labs_cpu_s(LAB_NAME) - labs))
         return result
 

@@ -229,7 +229,7 @@ def summary(record: Mapping, top: int = 15) -> str:
     if plays:
         lines += ["", "ansible-playbook runs of the lab tests (count, wall, CPU on the controller + in the lab):"]
         for kind, chosen in (("ended on the receipt", [p for p in plays if p["held"]]),
-                             ("refused (rc != 0)", [p for p in plays if p["rc"] != 0]),
+                             ("rc != 0 (refused or failed)", [p for p in plays if p["rc"] != 0]),
                              ("ran to the end, 150+ tasks", [p for p in plays
                                                              if not p["held"] and p["rc"] == 0 and p["tasks"] >= 150]),
                              ("ran to the end, fewer tasks", [p for p in plays

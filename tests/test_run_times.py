@@ -92,7 +92,7 @@ def test_each_play_of_a_lab_test_is_kept_with_its_kind_and_cost():
     assert record["tests"][0]["plays"] == [held, full, refused]
     text = run_times.summary(record)
     assert "   1       2.8 s  CPU     2.4 +     0.5 s  ended on the receipt" in text
-    assert "   1       5.0 s  CPU     3.0 +     1.0 s  refused (rc != 0)" in text
+    assert "   1       5.0 s  CPU     3.0 +     1.0 s  rc != 0 (refused or failed)" in text
     assert "   1      40.0 s  CPU    17.0 +    22.0 s  ran to the end, 150+ tasks" in text
 
 

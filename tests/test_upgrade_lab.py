@@ -39,18 +39,17 @@ OLD, NEW = "0.31.0", "0.32.0"
 UNSTARTABLE = {"vllm_service_env_override": {"VLLM_CPU_KVCACHE_SPACE": "1024"}}
 
 
-def vllm_play(lab: Lab, version: str, **extra) -> subprocess.Popen:
-    cmd = [str(VENV_BIN / "ansible-playbook"), "playbooks/vllm.yml", "--tags", "vllm_service",
-           "-e", json.dumps({"vllm_service_version": version, **extra})]
-    return subprocess.Popen(cmd, cwd=ROOT, env=lab.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+def vllm_play(lab: Lab, version: str, **extra) -> tuple[Lab, subprocess.Popen]:
+    return lab, lab.start_play("playbooks/vllm.yml", "--tags", "vllm_service",
+                               extra_vars={"vllm_service_version": version, **extra})
 
 
-def finish(proc: subprocess.Popen, what: str) -> tuple[int, str]:
+def finish(play: tuple[Lab, subprocess.Popen], what: str) -> tuple[int, str]:
     started = time.monotonic()
-    output, _ = proc.communicate(timeout=1800)
-    print(f"[play] {what}: rc={proc.returncode}")
-    return proc.returncode, output + f"\n(waited {time.monotonic() - started:.1f}s)"
+    lab, proc = play
+    result = lab.finish_play(proc)
+    print(f"[play] {what}: rc={result.rc}")
+    return result.rc, result.output + f"\n(waited {time.monotonic() - started:.1f}s)"
 
 
 def recap(output: str) -> dict[str, int]:
@@ -153,7 +152,7 @@ def test_a_play_killed_mid_install_leaves_the_server_untouched_and_the_next_run_
     pid, target = lab.main_pid(), pointer(lab)
     assert target.startswith(f"{VENVS}/vllm-cpu-{NEW}-"), target
     inputs = lab.checksums("/etc/systemd/system/gptoss-vllm.service", "/etc/gptoss/vllm-args.json")
-    proc = vllm_play(lab, OLD, vllm_service_keep_venvs=1)
+    _, proc = vllm_play(lab, OLD, vllm_service_keep_venvs=1)
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:  # pip is writing into the new venv: kill the play now
         assert proc.poll() is None, proc.stdout.read()[-6000:]
