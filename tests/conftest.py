@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -289,9 +288,9 @@ class PlayResult:
 
     @property
     def recap(self) -> dict[str, int]:
-        match = re.search(r"^\S+\s*:\s*(ok=.*)$", self.output, re.MULTILINE)
-        assert match, f"no PLAY RECAP in output:\n{self.output[-3000:]}"
-        return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", match.group(1))}
+        counts = run_times.recap_counts(self.output)
+        assert counts, f"no PLAY RECAP in output:\n{self.output[-3000:]}"
+        return counts
 
 
 class Lab:

@@ -55,13 +55,18 @@ def children_cpu_s() -> float:
 RECEIPT_HELD = "holds: inputs and managed live state unchanged"
 
 
+def recap_counts(output: str) -> dict[str, int]:
+    """The PLAY RECAP line's counts (ok, changed, failed, skipped, ...) of a play's output; {} without one."""
+    recap = re.search(r"^\S+\s*:\s*(ok=.*)$", output, re.MULTILINE)
+    return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", recap.group(1))} if recap else {}
+
+
 def play_record(playbook: str, args: list[str], rc: int, output: str, seconds: float, controller_s: float,
                 labs_s: float) -> dict:
     """One ansible-playbook run of a test: what ran, how it ended, what it cost, and how far it went
     (tasks per the recap; `held`: ended on the receipt). The record's plays say which kind of run
     (a full converge, one ended on the receipt, a refusal) the suite pays for how often."""
-    recap = re.search(r"^\S+\s*:\s*(ok=.*)$", output, re.MULTILINE)
-    counts = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", recap.group(1))} if recap else {}
+    counts = recap_counts(output)
     return {"playbook": playbook, "args": [arg[:60] for arg in args], "rc": rc, "seconds": round(seconds, 1),
             "cpu_controller_s": round(controller_s, 2), "cpu_labs_s": round(max(labs_s, 0.0), 2),
             "tasks": sum(counts.get(k, 0) for k in ("ok", "skipped", "failed")),  # ok counts the changed
@@ -112,8 +117,8 @@ class MemoryFloor:
 
 def controller_cpu_s() -> float:
     """CPU seconds of this process and of the children it has waited for (subprocess.run waits)."""
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return own.ru_utime + own.ru_stime + children_cpu_s()
 
 
 def labs_cpu_s(lab_name: str, proc: Path = Path("/proc")) -> float:

@@ -81,9 +81,9 @@ def test_each_play_of_a_lab_test_is_kept_with_its_kind_and_cost():
         2.84, 2.4, 0.5)
     assert held == {"playbook": "site.yml", "args": [], "rc": 0, "seconds": 2.8, "cpu_controller_s": 2.4,
                     "cpu_labs_s": 0.5, "tasks": 31, "changed": 0, "held": True}
-    full = run_times.play_record("site.yml", ["-e", "x" * 80], 0, "gptoss-lab : ok=184 changed=2 failed=0 "
+    full = run_times.play_record("site.yml", ["-i", "x" * 80], 0, "gptoss-lab : ok=184 changed=2 failed=0 "
                                  "skipped=119\n", 40.0, 17.0, 22.0)
-    assert full["tasks"] == 303 and full["changed"] == 2 and not full["held"] and full["args"] == ["-e", "x" * 60]
+    assert full["tasks"] == 303 and full["changed"] == 2 and not full["held"] and full["args"] == ["-i", "x" * 60]
     refused = run_times.play_record("playbooks/vllm.yml", [], 2, "fatal: no PLAY RECAP", 5.0, 3.0, 1.0)
     assert refused["tasks"] == 0 and refused["rc"] == 2
     times = run_times.RunTimes()
@@ -109,3 +109,9 @@ def test_the_least_available_memory_of_the_run_is_kept():
     assert record["mem_available_min_mib"] == 1234
     assert "least memory available 1234 MiB" in run_times.summary(record)
     assert run_times.mem_available_mib() > 0  # this machine's /proc/meminfo
+
+
+
+def test_the_recap_counts_are_read_once_for_every_caller():
+    assert run_times.recap_counts("host : ok=3 changed=1 failed=0\n") == {"ok": 3, "changed": 1, "failed": 0}
+    assert run_times.recap_counts("no recap") == {}

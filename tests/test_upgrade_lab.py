@@ -19,7 +19,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import re
 import signal
 import subprocess
 import threading
@@ -27,6 +26,7 @@ import time
 
 import load_client
 import pytest
+import run_times
 from conftest import ROOT, VENV_BIN, Lab, record_timing
 
 # In the default run since it passed whole on a fresh lab (14.5 min alone): it builds two vLLM venvs
@@ -53,9 +53,9 @@ def finish(play: tuple[Lab, subprocess.Popen], what: str) -> tuple[int, str]:
 
 
 def recap(output: str) -> dict[str, int]:
-    match = re.search(r"^\S+\s*:\s*(ok=.*)$", output, re.MULTILINE)
-    assert match, output[-3000:]
-    return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", match.group(1))}
+    counts = run_times.recap_counts(output)
+    assert counts, output[-3000:]
+    return counts
 
 
 def pointer(lab: Lab) -> str:
