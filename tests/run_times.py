@@ -61,13 +61,30 @@ def recap_counts(output: str) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", recap.group(1))} if recap else {}
 
 
+EXTRA_VARS_OPTIONS = ("-e", "--extra-vars")
+
+
+def args_for_record(args: list[str]) -> list[str]:
+    """A play's arguments as the record keeps them: each extra-vars value as "..." (a test may pass a key
+    that way), every other argument cut to 60 characters."""
+    kept: list[str] = []
+    for arg in args:
+        if kept and kept[-1] in EXTRA_VARS_OPTIONS:
+            kept.append("...")
+        elif arg.startswith(tuple(f"{option}=" for option in EXTRA_VARS_OPTIONS)):
+            kept.append(arg.partition("=")[0] + "=...")
+        else:
+            kept.append(arg[:60])
+    return kept
+
+
 def play_record(playbook: str, args: list[str], rc: int, output: str, seconds: float, controller_s: float,
                 labs_s: float) -> dict:
     """One ansible-playbook run of a test: what ran, how it ended, what it cost, and how far it went
     (tasks per the recap; `held`: ended on the receipt). The record's plays say which kind of run
     (a full converge, one ended on the receipt, a refusal) the suite pays for how often."""
     counts = recap_counts(output)
-    return {"playbook": playbook, "args": [arg[:60] for arg in args], "rc": rc, "seconds": round(seconds, 1),
+    return {"playbook": playbook, "args": args_for_record(args), "rc": rc, "seconds": round(seconds, 1),
             "cpu_controller_s": round(controller_s, 2), "cpu_labs_s": round(max(labs_s, 0.0), 2),
             "tasks": sum(counts.get(k, 0) for k in ("ok", "skipped", "failed")),  # ok counts the changed
             "changed": counts.get("changed", 0), "held": RECEIPT_HELD in " ".join(output.split())}

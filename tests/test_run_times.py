@@ -115,3 +115,12 @@ def test_the_least_available_memory_of_the_run_is_kept():
 def test_the_recap_counts_are_read_once_for_every_caller():
     assert run_times.recap_counts("host : ok=3 changed=1 failed=0\n") == {"ok": 3, "changed": 1, "failed": 0}
     assert run_times.recap_counts("no recap") == {}
+
+
+def test_the_record_keeps_no_extra_vars_value():
+    """A test may hand a key to a play as -e (the key rotation does): the record says "..." instead."""
+    args = ["-i", "inv", "-e", "key_extra=extra-1", "--extra-vars", '{"k": "v"}', "-e=a=b", "--extra-vars=c=d",
+            "--tags", "x"]
+    assert run_times.args_for_record(args) == ["-i", "inv", "-e", "...", "--extra-vars", "...", "-e=...",
+                                               "--extra-vars=...", "--tags", "x"]
+    assert run_times.play_record("site.yml", args, 0, "", 1.0, 0.0, 0.0)["args"] == run_times.args_for_record(args)
