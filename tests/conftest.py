@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -293,6 +294,15 @@ class PlayResult:
         return counts
 
 
+class PlayStart(NamedTuple):
+    """A play as Lab started it: its command (the record keeps no -e value: run_times.args_for_record) and
+    the readings its cost is measured from."""
+    cmd: list[str]
+    at: float
+    children_cpu_s: float
+    labs_cpu_s: float
+
+
 class Lab:
     """The lab host of this test session."""
 
@@ -320,14 +330,14 @@ class Lab:
     def play(self, playbook: str = "site.yml", *args: str, extra_vars: dict | None = None,
              timeout: float = 1800) -> PlayResult:
         started = self._play_started(playbook, args, extra_vars)
-        proc = subprocess.run(started[0], cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(started.cmd, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
         return self._play_ended(started, PlayResult(proc.returncode, proc.stdout + proc.stderr, 0.0))
 
     def start_play(self, playbook: str, *args: str, extra_vars: dict | None = None) -> subprocess.Popen:
         """ansible-playbook started, not waited for (a test that kills it, or loads the lab meanwhile), in
         a session of its own (os.killpg ends it all); finish_play waits for it and keeps it in the record."""
         started = self._play_started(playbook, args, extra_vars)
-        proc = subprocess.Popen(started[0], cwd=ROOT, env=self.env, stdout=subprocess.PIPE,
+        proc = subprocess.Popen(started.cmd, cwd=ROOT, env=self.env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         proc.gptoss_play = started  # type: ignore[attr-defined]
         return proc
@@ -342,22 +352,20 @@ class Lab:
         return self._play_ended(proc.gptoss_play, PlayResult(proc.returncode, output, 0.0))  # type: ignore[attr-defined]
 
     @staticmethod
-    def _play_started(playbook: str, args: tuple[str, ...], extra_vars: dict | None) -> tuple:
+    def _play_started(playbook: str, args: tuple[str, ...], extra_vars: dict | None) -> PlayStart:
         cmd = [str(VENV_BIN / "ansible-playbook"), playbook, *args]
         if extra_vars:
             cmd += ["-e", json.dumps(extra_vars)]
-        said = [playbook, *args, *(["-e", "..."] if extra_vars else [])]
-        return cmd, said, time.monotonic(), run_times.children_cpu_s(), run_times.labs_cpu_s(LAB_NAME)
+        return PlayStart(cmd, time.monotonic(), run_times.children_cpu_s(), run_times.labs_cpu_s(LAB_NAME))
 
     @staticmethod
-    def _play_ended(started: tuple, result: PlayResult) -> PlayResult:
+    def _play_ended(started: PlayStart, result: PlayResult) -> PlayResult:
         """The play in the record: its CPU is this process's children reaped meanwhile (for a play from
         start_play, with whatever else the test ran then) and its lab's while it ran."""
-        _, said, at, children, labs = started
-        result.seconds = time.monotonic() - at
+        result.seconds = time.monotonic() - started.at
         PLAYS_OF_THIS_PHASE.append(run_times.play_record(
-            said[0], said[1:], result.rc, result.output, result.seconds,
-            run_times.children_cpu_s() - children, run_times.labs_cpu_s(LAB_NAME) - labs))
+            started.cmd[1], started.cmd[2:], result.rc, result.output, result.seconds,
+            run_times.children_cpu_s() - started.children_cpu_s, run_times.labs_cpu_s(LAB_NAME) - started.labs_cpu_s))
         return result
 
     def checksums(self, *paths: str) -> dict[str, str]:
