@@ -88,12 +88,11 @@ def test_through_ansible_with_check_and_diff(tmp_path: Path):
     assert written["changed"] and page.read_text() == "<p>hi</p>\n" and page.stat().st_mode & 0o7777 == 0o644
 
 
-def test_the_monitoring_role_hands_it_every_console_file_whole():
+def test_the_monitoring_role_hands_it_every_console_file_whole(tmp_path: Path):
     """The role's variable, as ansible renders it: each file of files/consoles and files/console_libraries
     under /etc/prometheus, byte for byte (the last newline kept)."""
     role = ROOT / "roles" / "monitoring"
-    playbook = ROOT / ".cache" / "console-files-render.yml"
-    playbook.parent.mkdir(exist_ok=True)
+    playbook = tmp_path / "console-files-render.yml"
     playbook.write_text(f"""
 - hosts: localhost
   gather_facts: false

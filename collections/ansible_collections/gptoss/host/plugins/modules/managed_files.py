@@ -10,8 +10,8 @@ short_description: Several small root-owned files whose content the controller h
 description:
   - Why one module run: C(ansible.builtin.copy) and C(template) cost two module runs per file even when
     nothing changes (a C(stat), then a C(file) for the attributes), and each run on the host starts Python
-    and compiles Ansible's module_utils from the module's zip again. Eight console pages were sixteen module
-    runs on every converge (docs/measurements.md, session 16).
+    and compiles Ansible's module_utils from the module's zip again. The monitoring role's five console
+    pages were ten module runs on every converge (docs/measurements.md, session 16).
   - Every file is root:root with the one mode given. A file whose content, mode or owner differs is written to a
     temporary file in its folder (mode and owner set before a byte is written), fsynced and renamed over
     it (module_utils.atomic_file), so a reader sees the old file or the new one.
@@ -123,11 +123,10 @@ def main() -> None:
         if old_content == content and old_attrs == (mode, *ROOT_OWNER):
             continue
         to_write.append((path, content, mode))
-        before = as_text(old_content) if old_content is not None else ""
         attrs = "" if old_attrs in (None, (mode, *ROOT_OWNER)) else (
             f" (mode/uid/gid {oct(old_attrs[0])}/{old_attrs[1]}/{old_attrs[2]} -> {oct(mode)}/0/0)")
         diffs.append({"before_header": path + attrs, "after_header": path,
-                      "before": before, "after": as_text(content)})
+                      "before": as_text(old_content), "after": as_text(content)})
     if not module.check_mode:
         if missing:
             make_folders(missing, folder_mode)
