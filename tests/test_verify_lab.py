@@ -115,7 +115,7 @@ def test_only_the_api_listens_on_the_service_address_and_a_hand_edit_is_caught_a
     code, report = verify_local(lab, "--no-completion")
     assert code == 1 and failing(report) == {"NET-001"}, reasons(report)
     reason = next(r for r in report["results"] if r["id"] == "NET-001")["reason"]
-    assert reason.startswith(f"tcp {address} ports ") and "VLLM::EngineCor): on the service address" in reason, reason
+    assert reason.startswith(f"tcp {address} ports ") and "VLLM::Worker): on the service address" in reason, reason
     repaired = lab.play("site.yml")
     assert repaired.rc == 0, repaired.output[-3000:]
     # The unit file is among the parts that differ (others may be: the stamp under /etc/gptoss, units).
