@@ -31,6 +31,14 @@ SCREENSHOT = ROOT / ".cache" / "artifacts" / "webui-chat.png"
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 
 
+def unit_state(lab: Lab, unit: str) -> str:
+    """The unit's state and journal tail, for a failed play's message: the role's health wait says only
+    "Connection refused" (a CI run of session 17 waited 600 s for Open WebUI with nothing else to read)."""
+    shown = lab.ssh(f"systemctl status {unit} --no-pager -n 0; journalctl -u {unit} -n 60 --no-pager -o short-precise",
+                    check=False, timeout=60)
+    return f"\n--- {unit} on the lab ---\n{shown.stdout[-6000:]}{shown.stderr[-1000:]}"
+
+
 @pytest.fixture(scope="module")
 def webui(lab: Lab):
     """The webui role on, then the same play again; off and the key removed afterwards."""
@@ -39,7 +47,7 @@ def webui(lab: Lab):
         wheels = run_invoke("lab.webui-wheelhouse", timeout=1800)
     assert wheels.returncode == 0, wheels.stdout[-3000:] + wheels.stderr[-3000:]
     first = lab.play("playbooks/vllm.yml", extra_vars=WEBUI_VARS)
-    assert first.rc == 0, first.output[-5000:]
+    assert first.rc == 0, first.output[-5000:] + unit_state(lab, "gptoss-webui")
     record_timing("webui_converge", first.seconds)
     second = lab.play("playbooks/vllm.yml", extra_vars=WEBUI_VARS)
     record_timing("webui_converge_noop", second.seconds)
