@@ -293,6 +293,18 @@ class PlayResult:
         assert counts, f"no PLAY RECAP in output:\n{self.output[-3000:]}"
         return counts
 
+    @property
+    def changed_tasks(self) -> list[str]:
+        """The tasks and handlers that reported a change, by their headers: what a failed changed=0
+        assertion names (an output tail seldom reaches back to them)."""
+        found, header = [], ""
+        for line in self.output.splitlines():
+            if line.startswith(("TASK [", "RUNNING HANDLER [")):
+                header = line.rstrip("* ")
+            elif line.startswith("changed: [") and header:
+                found.append(header)
+        return found
+
 
 class PlayStart(NamedTuple):
     """A play as Lab started it: its command (the record keeps no -e value: run_times.args_for_record) and

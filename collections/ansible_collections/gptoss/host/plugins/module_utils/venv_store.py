@@ -140,14 +140,21 @@ def free_mib(path: str) -> int:
     return shutil.disk_usage(probe).free // (1 << 20)
 
 
-def space_problem(venvs_dir: str, min_free_mib: int, package: str, version: str) -> str | None:
-    """None when a new venv fits under `venvs_dir`, else the refusal (vllm_service_venv_min_free_gib)."""
+VLLM_SPACE_SETTING = "vllm_service_venv_min_free_gib"
+VLLM_SPACE_REMEDY = "Free space, or lower vllm_service_keep_venvs and converge once to prune."
+
+
+def space_problem(venvs_dir: str, min_free_mib: int, package: str, version: str,
+                  setting: str = VLLM_SPACE_SETTING, remedy: str = VLLM_SPACE_REMEDY) -> str | None:
+    """None when a new venv fits under `venvs_dir`, else the refusal, naming the role variable that sets
+    the bound. `free` is what an unprivileged process may use (root's reserved blocks not counted): a
+    service user fills the rest (Open WebUI's first start could not write its database where pip, as
+    root, had just filled the disk into the reserve)."""
     free = free_mib(venvs_dir)
     if free >= min_free_mib:
         return None
-    return (f"{venvs_dir} has {free} MiB free, a {package} {version} venv needs {min_free_mib} MiB "
-            "(vllm_service_venv_min_free_gib); refused before building, nothing was changed. "
-            "Free space, or lower vllm_service_keep_venvs and converge once to prune.")
+    return (f"{venvs_dir} has {free} MiB free, the {package} {version} venv needs {min_free_mib} MiB "
+            f"({setting}); refused before building, nothing was changed. {remedy}")
 
 
 # The inputs that name a venv (its hash) and where it goes: one argument spec for the modules that
