@@ -11,7 +11,7 @@ vLLM start costs ~30-60 s here and each venv build a few minutes, so the must-sh
    restored and serving, verify passes, its venv byte for byte unchanged.
 4. 0.31.0 -> 0.32.0 under light load: the gap without a successful completion is measured.
 5. `invoke rollback` to 0.31.0 and forward again, each behind the gate; a last run reports changed=0.
-The lab ends as the fixture left it (0.32.0, no override) for the test files after this one.
+The lab ends as the fixture left it (0.32.0, no override, one venv) for the test files after this one.
 """
 
 from __future__ import annotations
@@ -145,6 +145,16 @@ def verify_all(lab: Lab) -> tuple[int, dict[str, dict]]:
 @pytest.fixture(scope="module")
 def state() -> dict:
     return {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def only_the_serving_venv_after(lab: Lab):
+    """The drill ends with 0.31.0's venv kept beside the serving one (keep_venvs 2): 3.5 GiB of the
+    lab's 11 GiB root, held in zram's memory, for the modules after this one on the same lab. The webui
+    role then had too little room left (a CI run's Open WebUI could not write its database)."""
+    yield
+    lab.ssh(f'serving="$(readlink -f {POINTER})"; for venv in {VENVS}/*; do '
+            f'[ "$venv" = "$serving" ] || rm -rf -- "$venv"; done', check=False, timeout=300)
 
 
 def test_a_play_killed_mid_install_leaves_the_server_untouched_and_the_next_run_completes(lab: Lab, state):
