@@ -33,8 +33,8 @@ WEBUI_VENV = "/opt/gptoss/webui-venv"
 
 
 def unit_state(lab: Lab, unit: str) -> str:
-    """The unit's state and journal tail, for a failed play's message: the role's health wait says only
-    "Connection refused" (a CI run of session 17 waited 600 s for Open WebUI with nothing else to read)."""
+    """The unit's state and journal tail, for a failed play's message wherever the play failed (the role
+    prints the journal only when its start wait fails)."""
     shown = lab.ssh(f"systemctl status {unit} --no-pager -n 0; journalctl -u {unit} -n 60 --no-pager -o short-precise",
                     check=False, timeout=60)
     return f"\n--- {unit} on the lab ---\n{shown.stdout[-6000:]}{shown.stderr[-1000:]}"

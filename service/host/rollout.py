@@ -165,9 +165,14 @@ def first_completion(
     return tokens, elapsed_ms
 
 
-def wait(args: argparse.Namespace) -> dict[str, Any]:
+def start_clock(args: argparse.Namespace) -> Clock:
+    """The bound runs from the command's start; reported times from --since-epoch where given."""
     started = time.time()
-    clock = Clock(origin=args.since_epoch or started, deadline=started + args.timeout)
+    return Clock(origin=args.since_epoch or started, deadline=started + args.timeout)
+
+
+def wait(args: argparse.Namespace) -> dict[str, Any]:
+    clock = start_clock(args)
     api_key = read_api_key(args.api_key_file) if args.api_key_file else None
     base_url = args.base_url.rstrip("/")
     wait_for_health(base_url, clock, args.unit)
@@ -185,8 +190,7 @@ def wait(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def health(args: argparse.Namespace) -> dict[str, Any]:
-    started = time.time()
-    clock = Clock(origin=args.since_epoch or started, deadline=started + args.timeout)
+    clock = start_clock(args)
     wait_for_health(args.base_url.rstrip("/"), clock, args.unit)
     return {"ok": True, "health_after_s": clock.since_origin()}
 

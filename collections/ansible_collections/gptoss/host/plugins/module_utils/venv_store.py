@@ -146,11 +146,16 @@ VLLM_SPACE_REMEDY = "Free space, or lower vllm_service_keep_venvs and converge o
 
 def space_problem(venvs_dir: str, min_free_mib: int, package: str, version: str,
                   setting: str = VLLM_SPACE_SETTING, remedy: str = VLLM_SPACE_REMEDY) -> str | None:
-    """None when a new venv fits under `venvs_dir`, else the refusal, naming the role variable that sets
-    the bound. `free` is what an unprivileged process may use (root's reserved blocks not counted): a
-    service user fills the rest (Open WebUI's first start could not write its database where pip, as
-    root, had just filled the disk into the reserve)."""
-    free = free_mib(venvs_dir)
+    """None when a new venv fits under `venvs_dir`, else the refusal (space_refusal, on a fresh reading)."""
+    return space_refusal(venvs_dir, free_mib(venvs_dir), min_free_mib, package, version, setting, remedy)
+
+
+def space_refusal(venvs_dir: str, free: int, min_free_mib: int, package: str, version: str,
+                  setting: str = VLLM_SPACE_SETTING, remedy: str = VLLM_SPACE_REMEDY) -> str | None:
+    """The rule on a reading `free` of free_mib: None when it fits, else the refusal, naming the role
+    variable that sets the bound. `free` is what an unprivileged process may use (root's reserved blocks
+    not counted): a service user fills the rest (Open WebUI's first start could not write its database
+    where pip, as root, had just filled the disk into the reserve)."""
     if free >= min_free_mib:
         return None
     return (f"{venvs_dir} has {free} MiB free, the {package} {version} venv needs {min_free_mib} MiB "

@@ -55,9 +55,9 @@ def main() -> None:
         supports_check_mode=True,
     )
     params = module.params
-    free = venv_store.free_mib(params["path"])
-    problem = venv_store.space_problem(params["path"], params["min_free_mib"], params["package"], params["version"],
-                                       setting=params["setting"], remedy=params["remedy"])
+    free = venv_store.free_mib(params["path"])  # one reading, for the verdict and the returned value alike
+    problem = venv_store.space_refusal(params["path"], free, params["min_free_mib"], params["package"],
+                                       params["version"], setting=params["setting"], remedy=params["remedy"])
     if problem:
         module.fail_json(msg=problem, free_mib=free)
     module.exit_json(changed=False, free_mib=free)
