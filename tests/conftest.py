@@ -80,7 +80,7 @@ OWN_LAB_MODULES = {"test_lab_image", "test_fleet_lab"}
 # then the units on copied labs, longest first by the committed record of a full run (TIMES_RECORD), so
 # that no long unit starts last (session 13: the longest group started fourth and ended the run alone).
 FIRST_GROUPS = [ORIGIN_GROUP, "no-lab", "lab-trixie", "lab-bare-bookworm", "lab-bare-trixie", "lab-test_lab_image"]
-TIMES_RECORD = ROOT / "tests" / "data" / "test-times" / "full-run-session13.json"
+TIMES_RECORD = ROOT / "tests" / "data" / "test-times" / "full-run-session18.json"
 
 
 def module_seconds(record: Path = TIMES_RECORD) -> dict[str, float]:
@@ -252,8 +252,11 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if times is not None:
         properties = dict(report.user_properties)
         cpu = properties.get(f"cpu_s {report.when}", (0.0, 0.0))
+        # Under xdist the controller's copy of a report names its worker (xdist sets report.node).
+        worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", "")
+        span = (report.start, report.stop) if getattr(report, "start", None) else None
         times.add(report.nodeid, report.when, report.duration, report.outcome, tuple(cpu),
-                  properties.get(f"plays {report.when}", []))
+                  properties.get(f"plays {report.when}", []), worker, span)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

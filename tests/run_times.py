@@ -181,11 +181,22 @@ class RunTimes:
         self.cpu: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # controller, labs
         self.outcomes: dict[str, str] = {}
         self.plays: dict[str, list[dict]] = defaultdict(list)
+        # Where and when each test ran: its xdist worker, and the epoch seconds of its first phase's start
+        # and last phase's end (pytest's report.start/stop), for the per-worker timeline.
+        self.started_epoch = time.time()
+        self.workers: dict[str, str] = {}
+        self.spans: dict[str, list[float]] = {}
         self.memory = MemoryFloor().start()
 
     def add(self, nodeid: str, when: str, duration: float, outcome: str,
-            cpu: tuple[float, float] = (0.0, 0.0), plays: Iterable[dict] = ()) -> None:
+            cpu: tuple[float, float] = (0.0, 0.0), plays: Iterable[dict] = (),
+            worker: str = "", span: tuple[float, float] | None = None) -> None:
         self.seconds[nodeid] += duration
+        if worker:
+            self.workers[nodeid] = worker
+        if span is not None:
+            known = self.spans.setdefault(nodeid, [span[0], span[1]])
+            known[0], known[1] = min(known[0], span[0]), max(known[1], span[1])
         self.plays[nodeid] += plays
         self.cpu[nodeid][0] += cpu[0]
         self.cpu[nodeid][1] += cpu[1]
@@ -196,6 +207,9 @@ class RunTimes:
         tests = [{"nodeid": nodeid, "group": groups.get(nodeid) or nodeid.split("::", 1)[0],
                   "seconds": round(seconds, 2), "outcome": self.outcomes.get(nodeid, "skipped"),
                   "cpu_controller_s": round(self.cpu[nodeid][0], 2), "cpu_labs_s": round(self.cpu[nodeid][1], 2),
+                  **({"worker": self.workers[nodeid]} if nodeid in self.workers else {}),
+                  **({"start_s": round(self.spans[nodeid][0] - self.started_epoch, 1),
+                      "end_s": round(self.spans[nodeid][1] - self.started_epoch, 1)} if nodeid in self.spans else {}),
                   **({"plays": self.plays[nodeid]} if self.plays[nodeid] else {})}
                  for nodeid, seconds in self.seconds.items()]
         counts: dict[str, int] = defaultdict(int)
@@ -261,4 +275,26 @@ def summary(record: Mapping, top: int = 15) -> str:
     if has_cpu:
         lines.append(f"  all: CPU {total(tests, 'cpu_controller_s'):.0f} s on the controller + "
                      f"{total(tests, 'cpu_labs_s'):.0f} s in the labs")
+    lines += worker_timeline(tests, record["wall_s"])
     return "\n".join(lines)
+
+
+def worker_timeline(tests: list[Mapping], wall_s: float) -> list[str]:
+    """Each worker's groups in the order it ran them (when each started, its span, its CPU) and how long
+    the worker had nothing left before the run ended: what the scheduler did, and what a copied lab
+    inherited from the group before it on the same worker. Empty for records without start times."""
+    runs: dict[str, dict[str, list[Mapping]]] = defaultdict(lambda: defaultdict(list))
+    for test in tests:
+        if "start_s" in test:
+            runs[test.get("worker") or "main"][test["group"]].append(test)
+    if not runs:
+        return []
+    lines = ["", "per worker, its groups in the order they ran (start, span, CPU controller + labs):"]
+    for worker in sorted(runs):
+        spans = sorted(((min(t["start_s"] for t in group_tests), max(t["end_s"] for t in group_tests), group,
+                         sum(t.get("cpu_controller_s", 0.0) + t.get("cpu_labs_s", 0.0) for t in group_tests))
+                        for group, group_tests in runs[worker].items()))
+        lines += [f"  {worker:5} {start / 60:6.1f} min  {end - start:7.1f} s  CPU {cpu:7.1f} s  {group}"
+                  for start, end, group, cpu in spans]
+        lines.append(f"  {worker:5} idle for the last {max(wall_s - spans[-1][1], 0.0) / 60:.1f} min of the run")
+    return lines

@@ -124,3 +124,26 @@ def test_the_record_keeps_no_extra_vars_value():
     assert run_times.args_for_record(args) == ["-i", "inv", "-e", "...", "--extra-vars", "...", "-e=...",
                                                "--extra-vars=...", "--tags", "x"]
     assert run_times.play_record("site.yml", args, 0, "", 1.0, 0.0, 0.0)["args"] == run_times.args_for_record(args)
+
+
+def test_each_worker_lists_its_groups_in_the_order_they_ran_and_its_idle_end():
+    times = run_times.RunTimes()
+    at = times.started_epoch
+    times.add("tests/test_a.py::test_one", "setup", 100.0, "passed", (10.0, 50.0), worker="gw0", span=(at, at + 100))
+    times.add("tests/test_a.py::test_one", "call", 20.0, "passed", (1.0, 4.0), worker="gw0", span=(at + 100, at + 120))
+    times.add("tests/test_b.py::test_two", "call", 60.0, "passed", (5.0, 0.0), worker="gw0", span=(at + 120, at + 180))
+    times.add("tests/test_c.py::test_three", "call", 300.0, "passed", (30.0, 0.0), worker="gw1",
+              span=(at + 1, at + 301))
+    record = times.record({"tests/test_a.py::test_one": "lab-bookworm"}, [], 0, 2)
+    record["wall_s"] = 360.0
+    one = next(t for t in record["tests"] if t["nodeid"].endswith("test_one"))
+    assert (one["worker"], one["start_s"], one["end_s"]) == ("gw0", 0.0, 120.0)
+    timeline = run_times.summary(record).split("per worker")[1].splitlines()[1:]
+    assert timeline == [
+        "  gw0      0.0 min    120.0 s  CPU    65.0 s  lab-bookworm",
+        "  gw0      2.0 min     60.0 s  CPU     5.0 s  tests/test_b.py",
+        "  gw0   idle for the last 3.0 min of the run",
+        "  gw1      0.0 min    300.0 s  CPU    30.0 s  tests/test_c.py",
+        "  gw1   idle for the last 1.0 min of the run"]
+    assert "per worker" not in run_times.summary({**record, "tests": [
+        {k: v for k, v in t.items() if k not in ("start_s", "end_s")} for t in record["tests"]]})
