@@ -126,6 +126,35 @@ def test_too_little_space_is_refused_before_anything_is_built(tmp_path: Path, ca
     assert out["failed"] and "MiB free" in out["msg"] and "nothing was changed" in out["msg"]
     assert "vllm_service_venv_min_free_gib" in out["msg"]
     assert list(tmp_path.iterdir()) == []
+    # Another program's venv (the GPU exporter's) names its own setting and remedy, not vLLM's.
+    other = run_module(vllm_venv.main, {"package": "prometheus-client", "version": "0.26.0", "venvs_dir": str(venvs),
+                                        "pointer": "", "point_if_absent": False, "min_free_mib": 1 << 40,
+                                        "space_setting": "monitoring_gpu_exporter_venv_min_free_mib",
+                                        "space_remedy": "Free space there."}, capsys)
+    assert other["failed"] and other["msg"].endswith(
+        "(monitoring_gpu_exporter_venv_min_free_mib); refused before building, nothing was changed. Free space there.")
+    assert "vllm_service" not in other["msg"] and list(tmp_path.iterdir()) == []
+
+
+def test_each_venv_build_in_the_roles_names_the_setting_that_sets_its_bound():
+    """A refusal names the variable to change: every gptoss.host.vllm_venv task that templates its
+    min_free_mib from a role variable names that variable (vLLM's is the module's default)."""
+    import re
+
+    import yaml
+
+    def tasks(items: list) -> list[dict]:  # with those inside blocks
+        return [t for item in items or [] for t in [item, *tasks(item.get("block", []) + item.get("rescue", [])
+                                                                    + item.get("always", []))]]
+
+    calls = [(path, task["gptoss.host.vllm_venv"]) for path in sorted((ROOT / "roles").glob("*/tasks/*.yml"))
+             for task in tasks(yaml.safe_load(path.read_text())) if "gptoss.host.vllm_venv" in task]
+    assert len(calls) == 3, calls  # vLLM's venv (planned, then built) and the GPU exporter's
+    for path, args in calls:
+        bound = re.search(r"\b([a-z_]+_min_free_(?:gib|mib))\b", str(args.get("min_free_mib", "")))
+        assert bound, f"{path}: min_free_mib is not a role variable: {args.get('min_free_mib')}"
+        named = args.get("space_setting", venv_store.VLLM_SPACE_SETTING)
+        assert named == bound.group(1), f"{path}: the refusal would name {named}, the bound is {bound.group(1)}"
 
 
 def test_a_half_built_venv_is_not_complete_and_check_mode_builds_nothing(tmp_path: Path, capsys):

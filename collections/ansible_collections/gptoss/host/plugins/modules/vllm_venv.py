@@ -39,6 +39,14 @@ options:
     default: [vllm]
   build: {description: false = only say which venv is wanted and whether it is complete., type: bool, default: true}
   point_if_absent: {description: Create the pointer to the built venv when there is none., type: bool, default: true}
+  space_setting:
+    description: The role variable that sets I(min_free_mib), named in the refusal.
+    type: str
+    default: vllm_service_venv_min_free_gib
+  space_remedy:
+    description: What the user can do about too little space (ends the refusal).
+    type: str
+    default: Free space, or lower vllm_service_keep_venvs and converge once to prune.
 extends_documentation_fragment: [gptoss.host.venv_inputs]
 author: gptoss-host
 """
@@ -166,6 +174,9 @@ def main() -> None:
             "point_if_absent": {"type": "bool", "default": True},
             "requirements": {"type": "list", "elements": "str", "default": []},
             "import_check": {"type": "list", "elements": "str", "default": ["vllm"]},
+            # vLLM's by default; the GPU exporter's venv names its own setting (its bound is not vLLM's).
+            "space_setting": {"type": "str", "default": venv_store.VLLM_SPACE_SETTING},
+            "space_remedy": {"type": "str", "default": venv_store.VLLM_SPACE_REMEDY},
         },
         supports_check_mode=True,
     )
@@ -192,7 +203,7 @@ def main() -> None:
     if module.check_mode:
         module.exit_json(**dict(result, changed=True, msg=f"would build {path}"))
     problem = venv_store.space_problem(params["venvs_dir"], params["min_free_mib"], params["package"],
-                                       params["version"])
+                                       params["version"], params["space_setting"], params["space_remedy"])
     if problem:
         module.fail_json(msg=f"vllm_venv: {problem}", **result)
     result["manifest"] = build(module, path, digest)
