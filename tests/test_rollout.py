@@ -125,6 +125,8 @@ def test_failed_unit_stops_the_wait_early(tmp_path):
         '#!/bin/sh\n[ "$1" = is-failed ] && [ "$3" = gptoss-vllm.service ] && { echo failed; exit 0; }\nexit 1\n'
     )
     (fake_bin / "systemctl").chmod(0o755)
+    (fake_bin / "journalctl").write_text('#!/bin/sh\necho "Failed with result \'exit-code\'."\n')
+    (fake_bin / "journalctl").chmod(0o755)
     env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}"}
     started = time.monotonic()
     code, report, _ = run_rollout(
@@ -135,6 +137,7 @@ def test_failed_unit_stops_the_wait_early(tmp_path):
     assert report == {
         "ok": False,
         "reason": "unit gptoss-vllm.service failed while waiting for /health (last: [Errno 111] Connection refused)",
+        "journal": ["Failed with result 'exit-code'."],
     }
     assert time.monotonic() - started < 20
 
@@ -259,11 +262,17 @@ def test_health_ends_at_the_units_first_automatic_restart(tmp_path):
         'exit 1\n'
     )
     (fake_bin / "systemctl").chmod(0o755)
+    # And a stand-in journalctl: the failure carries the unit's journal tail (what the role's message shows).
+    (fake_bin / "journalctl").write_text(
+        '#!/bin/sh\n[ "$*" = "--unit gptoss-webui.service --lines 40 --no-pager --output cat" ] || exit 1\n'
+        'echo "sqlite3.OperationalError: database or disk is full"\n')
+    (fake_bin / "journalctl").chmod(0o755)
     env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}"}
     started = time.monotonic()
     code, report, _ = run_rollout("--base-url", f"http://127.0.0.1:{FREE_PORT}", "--timeout", "120",
                                   "--unit", "gptoss-webui.service", env=env, command="health")
     assert code == 1
     assert report == {"ok": False, "reason": "unit gptoss-webui.service exited while starting and systemd restarted "
-                                             "it (NRestarts 0 -> 1; last /health: [Errno 111] Connection refused)"}
+                                             "it (NRestarts 0 -> 1; last /health: [Errno 111] Connection refused)",
+                      "journal": ["sqlite3.OperationalError: database or disk is full"]}
     assert time.monotonic() - started < 20

@@ -254,6 +254,21 @@ def unit_show(unit: str, properties: tuple[str, ...]) -> dict[str, str]:
     return dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
 
 
+# What a failed start's message shows of the unit's journal (vllm_change's rollback, rollout's waits).
+JOURNAL_TAIL_LINES = 40
+
+
+def journal_tail(unit: str, lines: int = JOURNAL_TAIL_LINES) -> list[str]:
+    """The unit's last `lines` journal messages, without metadata ([] where journalctl cannot say):
+    one reader for every message that explains a start that failed."""
+    try:
+        proc = subprocess.run(["journalctl", "--unit", unit, "--lines", str(lines), "--no-pager", "--output", "cat"],
+                              capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return proc.stdout.splitlines()
+
+
 def _decode_address(hex_address: str) -> str:
     """/proc/net/tcp{,6} address (host byte order, 32-bit words) -> printable IP."""
     raw = bytes.fromhex(hex_address)

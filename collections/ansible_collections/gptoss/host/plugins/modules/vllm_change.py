@@ -296,8 +296,9 @@ class Transaction:
                                                   "StartLimitIntervalUSec"))
         if state.get("ActiveState") != "failed":
             return ""
-        _, journal, _ = self.module.run_command(["journalctl", "-u", self.unit, "-n", "5", "--no-pager", "-o", "cat"])
-        if state.get("Result") == "start-limit-hit" or "Start request repeated too quickly" in journal:
+        journal = unit_inputs.journal_tail(self.unit, 5)
+        if state.get("Result") == "start-limit-hit" or any("Start request repeated too quickly" in line
+                                                           for line in journal):
             why = (f"systemd had given up on it after repeated crashes (start limit hit: {state.get('StartLimitBurst')}"
                    f" starts in {state.get('StartLimitIntervalUSec')}; last result {state.get('Result')})")
         else:
@@ -321,11 +322,8 @@ class Transaction:
             result = {"ok": False, "reason": f"gate exit {code}: {(err or out).strip()[-500:]}"}
         if code != 0 and result.get("ok"):
             result = {"ok": False, "reason": f"gate exit {code}"}
+        result.pop("journal", None)  # undo() shows the tail once, read with the same reader after the failure
         return result
-
-    def journal_tail(self) -> list[str]:
-        _, out, _ = self.module.run_command(["journalctl", "-u", self.unit, "-n", "40", "--no-pager", "-o", "cat"])
-        return out.splitlines()
 
     def write_stamp(self) -> None:
         pid = int(self.state().get("MainPID", "0") or 0)
@@ -507,7 +505,7 @@ class Transaction:
         return doomed
 
     def undo(self, reason: str, state_before: dict[str, str], result: dict) -> None:
-        journal = self.journal_tail()
+        journal = unit_inputs.journal_tail(self.unit)
         restored = []
         for path in self.written:
             self.write(path, self.before[path], self.files[path]["mode"])
