@@ -294,7 +294,14 @@ def worker_timeline(tests: list[Mapping], wall_s: float) -> list[str]:
         spans = sorted(((min(t["start_s"] for t in group_tests), max(t["end_s"] for t in group_tests), group,
                          sum(t.get("cpu_controller_s", 0.0) + t.get("cpu_labs_s", 0.0) for t in group_tests))
                         for group, group_tests in runs[worker].items()))
+        merged: list[list] = []  # modules without a lab that ran one after another: one line
+        for start, end, group, cpu in spans:
+            if merged and not group.startswith("lab-") and merged[-1][2].endswith("without a lab"):
+                merged[-1][1], merged[-1][3], merged[-1][4] = end, merged[-1][3] + cpu, merged[-1][4] + 1
+                merged[-1][2] = f"{merged[-1][4]} modules without a lab"
+            else:
+                merged.append([start, end, group if group.startswith("lab-") else "1 module without a lab", cpu, 1])
         lines += [f"  {worker:5} {start / 60:6.1f} min  {end - start:7.1f} s  CPU {cpu:7.1f} s  {group}"
-                  for start, end, group, cpu in spans]
+                  for start, end, group, cpu, _ in merged]
         lines.append(f"  {worker:5} idle for the last {max(wall_s - spans[-1][1], 0.0) / 60:.1f} min of the run")
     return lines

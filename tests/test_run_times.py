@@ -141,9 +141,13 @@ def test_each_worker_lists_its_groups_in_the_order_they_ran_and_its_idle_end():
     timeline = run_times.summary(record).split("per worker")[1].splitlines()[1:]
     assert timeline == [
         "  gw0      0.0 min    120.0 s  CPU    65.0 s  lab-bookworm",
-        "  gw0      2.0 min     60.0 s  CPU     5.0 s  tests/test_b.py",
+        "  gw0      2.0 min     60.0 s  CPU     5.0 s  1 module without a lab",
         "  gw0   idle for the last 3.0 min of the run",
-        "  gw1      0.0 min    300.0 s  CPU    30.0 s  tests/test_c.py",
+        "  gw1      0.0 min    300.0 s  CPU    30.0 s  1 module without a lab",
         "  gw1   idle for the last 1.0 min of the run"]
+    # Modules without a lab that ran one after another are one line.
+    times.add("tests/test_d.py::test_four", "call", 30.0, "passed", (3.0, 0.0), worker="gw1", span=(at + 301, at + 331))
+    record = {**times.record({}, [], 0, 2), "wall_s": 360.0}
+    assert "  gw1      0.0 min    330.0 s  CPU    33.0 s  2 modules without a lab" in run_times.summary(record)
     assert "per worker" not in run_times.summary({**record, "tests": [
         {k: v for k, v in t.items() if k not in ("start_s", "end_s")} for t in record["tests"]]})
