@@ -396,6 +396,17 @@ class Lab:
         return f"http://{self.state.address}:8000"
 
 
+def tasks_in(node):
+    """Every task mapping in a task file, blocks included."""
+    if isinstance(node, list):
+        for item in node:
+            yield from tasks_in(item)
+    elif isinstance(node, dict):
+        yield node
+        for key in ("block", "rescue", "always"):
+            yield from tasks_in(node.get(key, []))
+
+
 def run_ansible_module(module: str, args: dict, *flags: str) -> dict:
     """The real module through ansible on this machine (`ansible localhost -m gptoss.host.X`): its JSON
     result as a role gets it, plus `failed` and `printed_diff` (the minimal callback prints a --diff

@@ -294,14 +294,16 @@ def worker_timeline(tests: list[Mapping], wall_s: float) -> list[str]:
         spans = sorted(((min(t["start_s"] for t in group_tests), max(t["end_s"] for t in group_tests), group,
                          sum(t.get("cpu_controller_s", 0.0) + t.get("cpu_labs_s", 0.0) for t in group_tests))
                         for group, group_tests in runs[worker].items()))
-        merged: list[list] = []  # modules without a lab that ran one after another: one line
+        # [start, end, lab group or "", CPU, modules]: modules without a lab that ran one after another are one row.
+        rows: list[list] = []
         for start, end, group, cpu in spans:
-            if merged and not group.startswith("lab-") and merged[-1][2].endswith("without a lab"):
-                merged[-1][1], merged[-1][3], merged[-1][4] = end, merged[-1][3] + cpu, merged[-1][4] + 1
-                merged[-1][2] = f"{merged[-1][4]} modules without a lab"
+            lab = group if group.startswith("lab-") else ""
+            if rows and not lab and not rows[-1][2]:
+                rows[-1][1], rows[-1][3], rows[-1][4] = end, rows[-1][3] + cpu, rows[-1][4] + 1
             else:
-                merged.append([start, end, group if group.startswith("lab-") else "1 module without a lab", cpu, 1])
-        lines += [f"  {worker:5} {start / 60:6.1f} min  {end - start:7.1f} s  CPU {cpu:7.1f} s  {group}"
-                  for start, end, group, cpu, _ in merged]
+                rows.append([start, end, lab, cpu, 1])
+        lines += [f"  {worker:5} {start / 60:6.1f} min  {end - start:7.1f} s  CPU {cpu:7.1f} s  "
+                  + (lab or f"{modules} module{'s' if modules > 1 else ''} without a lab")
+                  for start, end, lab, cpu, modules in rows]
         lines.append(f"  {worker:5} idle for the last {max(wall_s - spans[-1][1], 0.0) / 60:.1f} min of the run")
     return lines

@@ -12,7 +12,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from conftest import contract_record
+from conftest import contract_record, tasks_in
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "collections"))
@@ -143,12 +143,8 @@ def test_each_venv_build_in_the_roles_names_the_setting_that_sets_its_bound():
 
     import yaml
 
-    def tasks(items: list) -> list[dict]:  # with those inside blocks
-        return [t for item in items or [] for t in [item, *tasks(item.get("block", []) + item.get("rescue", [])
-                                                                    + item.get("always", []))]]
-
     calls = [(path, task["gptoss.host.vllm_venv"]) for path in sorted((ROOT / "roles").glob("*/tasks/*.yml"))
-             for task in tasks(yaml.safe_load(path.read_text())) if "gptoss.host.vllm_venv" in task]
+             for task in tasks_in(yaml.safe_load(path.read_text()) or []) if "gptoss.host.vllm_venv" in task]
     assert len(calls) == 3, calls  # vLLM's venv (planned, then built) and the GPU exporter's
     for path, args in calls:
         bound = re.search(r"\b([a-z_]+_min_free_(?:gib|mib))\b", str(args.get("min_free_mib", "")))

@@ -20,24 +20,13 @@ from ansible_collections.gptoss.host.plugins.module_utils.verify_contract import
     RoleRecord,
     check_record,
 )
-from conftest import ROOT, contract_record, run_ansible_module
+from conftest import ROOT, contract_record, run_ansible_module, tasks_in
 
 MODULES = ROOT / "collections/ansible_collections/gptoss/host/plugins/modules"
 READERS = [ROOT / "service/host/checks.py", MODULES / "vllm_change.py"]
 
 
 # ------------------------------------------------------------------ who writes which key
-
-
-def tasks_in(node):
-    """Every task mapping in a task file, blocks included."""
-    if isinstance(node, list):
-        for item in node:
-            yield from tasks_in(item)
-    elif isinstance(node, dict):
-        yield node
-        for key in ("block", "rescue", "always"):
-            yield from tasks_in(node.get(key, []))
 
 
 def written_keys() -> dict[str, set[str]]:

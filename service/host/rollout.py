@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         result = args.run(args)
     except RolloutFailed as exc:
         # With --unit, the unit's journal tail comes with the reason: what the caller's message shows.
-        journal = {"journal": unit_inputs.journal_tail(args.unit)} if args.unit and shutil.which("journalctl") else {}
+        journal = {"journal": unit_inputs.journal_tail(args.unit)} if args.unit else {}  # [] without journalctl
         print(json.dumps({"ok": False, "reason": str(exc), **journal}))
         return 1
     print(json.dumps(result))
