@@ -89,14 +89,20 @@ def wait_for_request(olah: Olah, needle: str, since: int, timeout: float = 300) 
 
 
 def kill_play(lab: Lab, proc: subprocess.Popen) -> None:
-    """The play killed as an operator's Ctrl-C twice would: the controller's ansible-playbook, and the
-    module it started on the lab (by its pid), which would otherwise finish on its own."""
+    """The play killed as an operator's Ctrl-C twice would: the controller's ansible-playbook, then the
+    module it started on the lab (by its pid) if it outlived the play. Under Mitogen (ansible.cfg) the
+    fetch venv's python on the host exits when its connection goes; under the stock strategy the
+    module would finish on its own. Either way nothing of the killed play may still be writing."""
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    # With pipelining the module is read from stdin by the fetch venv's python: that is its command line.
-    pids = lab.ssh("pgrep -f '/opt/gptoss/fetch-[v]env/bin/python' || true").stdout.split()
-    assert pids, "the module was no longer running on the lab"
-    lab.ssh(f"kill -9 {' '.join(pids)}", check=False)
+    running = "pgrep -f '/opt/gptoss/fetch-[v]env/bin/python' || true"
+    pids = lab.ssh(running).stdout.split()
+    if pids:
+        lab.ssh(f"kill -9 {' '.join(pids)}", check=False)
+    deadline = time.monotonic() + 10
+    while lab.ssh(running).stdout.split():
+        assert time.monotonic() < deadline, "the killed play's module is still running on the lab"
+        time.sleep(0.5)
 
 
 def hub_tree(lab: Lab) -> dict[str, str]:
