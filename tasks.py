@@ -697,12 +697,17 @@ def bench_convert(c, args=""):
     c.run(f"{PYTHON} bench/bench_convert.py {args}", pty=False)
 
 
-@task(name="bench-converge", help={"inventory": "inventory file (default: the lab)", "rounds": "rounds of each play"})
-def bench_converge(c, inventory=None, rounds=3):
+@task(name="bench-converge", help={"inventory": "inventory file (default: the lab)", "rounds": "rounds of each play",
+                                   "strategies": "Ansible strategies to compare, comma-separated "
+                                                 "(gptoss.host.mitogen_linear,linear)"})
+def bench_converge(c, inventory=None, rounds=3, strategies=""):
     """A no-op converge (ended by the converge receipt) against an empty play with fact gathering, same host,
-    side by side (target <= 2x), and the receipt-off no-op beside them."""
+    side by side (target <= 2x), and the receipt-off no-op beside them; with --strategies, that no-op under
+    each Ansible strategy (ansible.cfg's Mitogen one against Ansible's own linear)."""
     inv = f"-i {inventory} " if inventory else ""
-    c.run(f"{PYTHON} bench/bench_converge.py {inv}--rounds {rounds}", pty=False, env={"GPTOSS_LAB": lab_name()})
+    compare = f" --strategies {strategies}" if strategies else ""
+    c.run(f"{PYTHON} bench/bench_converge.py {inv}--rounds {rounds}{compare}", pty=False,
+          env={"GPTOSS_LAB": lab_name()})
 
 
 @task(name="bench-nccl", help={"args": "extra bench/nccl_allreduce.py arguments (--variants, --sizes, --nvml, ...)"})

@@ -1,6 +1,7 @@
 """A no-op converge against an empty play that only gathers facts, on the same host, side by side.
 
     python bench/bench_converge.py [-i INVENTORY] [--rounds 3] [--playbook site.yml] [--floor-calls 20] [--json]
+                                   [--strategies gptoss.host.mitogen_linear,linear]
 
 Target (issue 13): a converge that changes nothing costs at most 2x a play that gathers facts and
 pings the same host. Each round runs, alternately (the box may be busy, so none gets a quieter
@@ -11,6 +12,9 @@ slowest-task list. The verdict uses the medians of the first two. A warm-up conv
 sure the receipt is there; every timed converge must report changed=0, and the receipt's run must
 say the receipt held, else the run says so and exits 1. Each round also times a play of 1 and of
 1+N trivial module calls (--floor-calls): their difference over N is what one module call costs.
+With --strategies A,B each round also runs the receipt-off converge under each Ansible strategy (the
+order alternating per round) and prints its wall and controller CPU seconds, and the ratio of the
+medians: what ansible.cfg's Mitogen strategy saves against Ansible's own `linear` (docs/design.md).
 Exit 0 within target, 1 over target or not a no-op, 2 a play failed.
 """
 
@@ -62,10 +66,13 @@ RECEIPT_OFF = ["-e", "gptoss_base_receipt=false"]
 
 
 def run_play(playbook: str, inventory: str | None, task_times: Path | None = None,
-             extra: list[str] | None = None) -> tuple[float, dict[str, int], str]:
+             extra: list[str] | None = None, strategy: str = "") -> tuple[float, dict[str, int], str]:
     """(wall seconds, recap counters summed over hosts, output) of one ansible-playbook run; with
-    task_times, the collection's task_times callback writes each task's seconds there."""
+    task_times, the collection's task_times callback writes each task's seconds there; with strategy,
+    that Ansible strategy instead of ansible.cfg's."""
     env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
+    if strategy:
+        env["ANSIBLE_STRATEGY"] = strategy
     if task_times is not None:
         env.update(ANSIBLE_CALLBACKS_ENABLED="gptoss.host.task_times", GPTOSS_TASK_TIMES=str(task_times))
     command = [str(ROOT / ".venv" / "bin" / "ansible-playbook"), playbook] + (["-i", inventory] if inventory else [])
@@ -81,6 +88,34 @@ def run_play(playbook: str, inventory: str | None, task_times: Path | None = Non
         for key, value in re.findall(r"(\w+)=(\d+)", line):
             recap[key] = recap.get(key, 0) + int(value)
     return seconds, recap, output
+
+
+def children_cpu_s() -> float:
+    """CPU seconds (user + system) of this process's finished children: the controller's share of a play."""
+    times = os.times()
+    return times.children_user + times.children_system
+
+
+def compare_strategies(strategies: list[str], rounds: int, playbook: str, inventory: str | None) -> None:
+    """The receipt-off converge under each strategy, alternating which goes first, side by side."""
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in strategies}
+    for round_number in range(1, rounds + 1):
+        order = strategies if round_number % 2 else list(reversed(strategies))
+        for name in order:
+            cpu_before = children_cpu_s()
+            seconds, recap, _ = run_play(playbook, inventory, extra=RECEIPT_OFF, strategy=name)
+            results[name].append((seconds, children_cpu_s() - cpu_before))
+            if recap.get("changed", -1) != 0:
+                raise SystemExit(f"bench-converge: {name}: changed={recap.get('changed')}, not a no-op")
+            print(f"round {round_number}: receipt off under {name}: {seconds:6.1f} s wall, "
+                  f"{results[name][-1][1]:5.1f} s controller CPU", flush=True)
+    medians = {name: (statistics.median(w for w, _ in rows), statistics.median(c for _, c in rows))
+               for name, rows in results.items()}
+    first, *others = strategies
+    for name in others:
+        print(f"receipt-off converge, {first} / {name} (medians): wall {medians[first][0]:.1f} / "
+              f"{medians[name][0]:.1f} s = {medians[first][0] / medians[name][0]:.2f}x, controller CPU "
+              f"{medians[first][1]:.1f} / {medians[name][1]:.1f} s = {medians[first][1] / medians[name][1]:.2f}x")
 
 
 def print_slowest_tasks(rounds: list[list[dict]], top: int) -> None:
@@ -108,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=12, help="how many of the no-op's slowest tasks to list")
     parser.add_argument("--floor-calls", type=int, default=20,
                         help="also time plays of 1 and 1+N trivial module calls, for the cost of one call (0: off)")
+    parser.add_argument("--strategies", default="",
+                        help="two or more Ansible strategies, comma-separated: the receipt-off converge under each")
     args = parser.parse_args(argv)
     with contextlib.ExitStack() as stack:
         empty, floor_one, floor_many = (
@@ -162,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{full_median / per_call:.0f} such calls, the 2x budget ({TARGET_RATIO * empty_median:.1f} s) "
               f"{TARGET_RATIO * empty_median / per_call:.0f}")
     print_slowest_tasks(task_seconds, args.top)
+    if args.strategies:
+        print()
+        compare_strategies(args.strategies.split(","), args.rounds, args.playbook, args.inventory)
     if args.json:
         print(json.dumps({"empty_s": empty_times, "converge_s": converge_times, "receipt_off_s": full_times,
                           "receipt_held": held, "changed": changed,

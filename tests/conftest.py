@@ -80,7 +80,7 @@ OWN_LAB_MODULES = {"test_lab_image", "test_fleet_lab"}
 # then the units on copied labs, longest first by the committed record of a full run (TIMES_RECORD), so
 # that no long unit starts last (session 13: the longest group started fourth and ended the run alone).
 FIRST_GROUPS = [ORIGIN_GROUP, "no-lab", "lab-trixie", "lab-bare-bookworm", "lab-bare-trixie", "lab-test_lab_image"]
-TIMES_RECORD = ROOT / "tests" / "data" / "test-times" / "full-run-session18.json"
+TIMES_RECORD = ROOT / "tests" / "data" / "test-times" / "full-run-session20.json"
 
 
 def module_seconds(record: Path = TIMES_RECORD) -> dict[str, float]:
@@ -343,9 +343,10 @@ class Lab:
         return self.ssh(command).stdout
 
     def play(self, playbook: str = "site.yml", *args: str, extra_vars: dict | None = None,
-             timeout: float = 1800) -> PlayResult:
+             timeout: float = 1800, env: dict[str, str] | None = None) -> PlayResult:
         started = self._play_started(playbook, args, extra_vars)
-        proc = subprocess.run(started.cmd, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(started.cmd, cwd=ROOT, env={**self.env, **(env or {})}, capture_output=True,
+                              text=True, timeout=timeout)
         return self._play_ended(started, PlayResult(proc.returncode, proc.stdout + proc.stderr, 0.0))
 
     def start_play(self, playbook: str, *args: str, extra_vars: dict | None = None) -> subprocess.Popen:

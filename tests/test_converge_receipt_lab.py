@@ -91,6 +91,16 @@ def test_a_receipt_older_than_its_maximum_age_runs_the_whole_converge_and_says_w
     ends_on_the_receipt(lab)  # the full converge wrote a new receipt
 
 
+def test_the_stock_strategy_runs_every_role_on_the_converged_host_and_changes_nothing(lab: Lab):
+    """ansible.cfg runs plays over Mitogen (gptoss.host.mitogen_linear); ANSIBLE_STRATEGY=linear, the
+    documented way back to Ansible's own strategy (an environment variable wins over ansible.cfg), must
+    keep working: every role runs (receipt off) and finds the host as the Mitogen converges left it."""
+    result = lab.play("site.yml", extra_vars={"gptoss_base_receipt": False}, env={"ANSIBLE_STRATEGY": "linear"})
+    assert result.rc == 0 and "TASK [vllm_service : Roll out as one transaction" in result.output, \
+        result.output[-4000:]
+    assert result.recap["changed"] == 0 and result.recap["failed"] == 0, result.output[-6000:]
+
+
 def models_status(lab: Lab, key: str | None) -> int:
     """HTTP status of GET /v1/models with this Bearer key (vLLM's --api-key guards /v1/*)."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
