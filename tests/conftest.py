@@ -73,13 +73,14 @@ COPIED_LAB_MODULES = {
 }
 COPIED_GROUP_PREFIX = f"{ORIGIN_GROUP}-"
 # Modules that boot labs of their own: a group each (and none of them in `invoke test --quick`).
-OWN_LAB_MODULES = {"test_lab_image", "test_fleet_lab"}
+OWN_LAB_MODULES = {"test_lab_image", "test_fleet_lab", "test_reboot_lab"}
 # The order the scheduler hands groups out, one to each worker as it frees: the origin first; then every
 # test that needs no lab, and the groups with labs of their own (trixie, the bare labs, the image test):
 # the other workers run them while the origin converges and saves its image, instead of waiting for it;
 # then the units on copied labs, longest first by the committed record of a full run (TIMES_RECORD), so
 # that no long unit starts last (session 13: the longest group started fourth and ended the run alone).
-FIRST_GROUPS = [ORIGIN_GROUP, "no-lab", "lab-trixie", "lab-bare-bookworm", "lab-bare-trixie", "lab-test_lab_image"]
+FIRST_GROUPS = [ORIGIN_GROUP, "no-lab", "lab-trixie", "lab-bare-bookworm", "lab-bare-trixie", "lab-test_lab_image",
+                "lab-test_reboot_lab"]
 TIMES_RECORD = ROOT / "tests" / "data" / "test-times" / "full-run-session20.json"
 
 
