@@ -4,8 +4,8 @@ With the stock transport every task pipes a fresh AnsiballZ payload into a new i
 which unzips and compiles ansible.module_utils again: about 0.19 s of the host's CPU per task on the lab
 (docs/measurements.md, session 19). Mitogen keeps one interpreter per host (and per become user) for
 the play and caches what it imported. Same task order and semantics as `linear`; ansible.cfg selects it
-(`strategy = gptoss.host.mitogen_linear`), and `-e ansible_strategy=linear` or ANSIBLE_STRATEGY=linear
-goes back to the stock one.
+(`strategy = gptoss.host.mitogen_linear`), and ANSIBLE_STRATEGY=linear goes back to the stock one
+(tests/test_converge_receipt_lab.py runs every role that way).
 """
 
 from __future__ import annotations
