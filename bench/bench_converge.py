@@ -33,6 +33,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from controller.process_cpu import children_cpu_s  # noqa: E402 - after ROOT joins the path
+
 TARGET_RATIO = 2.0
 EMPTY_PLAY = """---
 - name: Empty play (facts and a ping only)
@@ -88,12 +92,6 @@ def run_play(playbook: str, inventory: str | None, task_times: Path | None = Non
         for key, value in re.findall(r"(\w+)=(\d+)", line):
             recap[key] = recap.get(key, 0) + int(value)
     return seconds, recap, output
-
-
-def children_cpu_s() -> float:
-    """CPU seconds (user + system) of this process's finished children: the controller's share of a play."""
-    times = os.times()
-    return times.children_user + times.children_system
 
 
 def compare_strategies(strategies: list[str], rounds: int, playbook: str, inventory: str | None) -> None:

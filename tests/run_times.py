@@ -24,6 +24,9 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+# The controller's share of a play (ansible-playbook and the workers it forked): one home, the bench's too.
+from controller.process_cpu import children_cpu_s  # noqa: F401 - conftest reads it as run_times.children_cpu_s
+
 TIMES_DIR = Path(__file__).resolve().parent.parent / ".cache" / "test-times"
 SNAPSHOT_DIR = Path(__file__).resolve().parent / "data" / "test-times"
 
@@ -43,12 +46,6 @@ def cpu_busy(start: tuple[int, int], end: tuple[int, int]) -> float | None:
     the suite's: whether more workers could use more of the machine, or it was already full)."""
     total = end[1] - start[1]
     return round((end[0] - start[0]) / total, 3) if total > 0 else None
-
-
-def children_cpu_s() -> float:
-    """CPU seconds of the children this process has waited for (an ansible-playbook and what it ran)."""
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return children.ru_utime + children.ru_stime
 
 
 # A converge that ended on the converge receipt (roles/gptoss_base) says this.
