@@ -25,7 +25,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 # The controller's share of a play (ansible-playbook and the workers it forked): one home, the bench's too.
-from controller.process_cpu import children_cpu_s  # noqa: F401 - conftest reads it as run_times.children_cpu_s
+# controller_cpu_s below adds it to this process's own; conftest reads it as run_times.children_cpu_s.
+from controller.process_cpu import children_cpu_s
 
 TIMES_DIR = Path(__file__).resolve().parent.parent / ".cache" / "test-times"
 SNAPSHOT_DIR = Path(__file__).resolve().parent / "data" / "test-times"

@@ -13,7 +13,7 @@ import os
 import time
 
 import pytest
-from conftest import LAB_NAME, Lab
+from conftest import LAB_NAME, Lab, boot_session_lab
 
 from lab import nspawn
 
@@ -43,10 +43,7 @@ PLAY = """---
 @pytest.fixture(scope="module")
 def reboot_lab() -> Lab:
     name = f"{LAB_NAME}-reboot"
-    if nspawn.load_state(name) is not None:
-        nspawn.down(name)
-    state, _ = nspawn.up(name)
-    yield Lab(state)
+    yield Lab(boot_session_lab(name, nspawn.DEFAULT_RELEASE))
     if os.environ.get("GPTOSS_KEEP_LAB") != "1":
         nspawn.down(name)
 
