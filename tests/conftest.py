@@ -202,11 +202,16 @@ def measured_cpu(item: pytest.Item, when: str):
     to the controller's record with the phase's report (user_properties travel with xdist's reports)."""
     on_lab = xdist_group_of(item).startswith("lab-")
     controller, labs = run_times.controller_cpu_s(), run_times.labs_cpu_s(LAB_NAME) if on_lab else 0.0
+    started_epoch = time.time()
     PLAYS_OF_THIS_PHASE.clear()
     yield
     labs_after = run_times.labs_cpu_s(LAB_NAME) if on_lab else 0.0
     controller_s, labs_s = run_times.split_phase_cpu(run_times.controller_cpu_s() - controller, labs, labs_after)
     item.user_properties.append((f"cpu_s {when}", (round(controller_s, 2), round(labs_s, 2))))
+    if on_lab and controller_s + labs_s >= run_times.VLLM_START_MIN_CPU_S:
+        starts = run_times.vllm_starts(run_times.lab_journal_dirs(nspawn.LABS_DIR, LAB_NAME), started_epoch)
+        if starts:
+            item.user_properties.append((f"vllm_starts {when}", starts))
     if PLAYS_OF_THIS_PHASE:
         item.user_properties.append((f"plays {when}", list(PLAYS_OF_THIS_PHASE)))
 
@@ -257,7 +262,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", "")
         span = (report.start, report.stop) if getattr(report, "start", None) else None
         times.add(report.nodeid, report.when, report.duration, report.outcome, tuple(cpu),
-                  properties.get(f"plays {report.when}", []), worker, span)
+                  properties.get(f"plays {report.when}", []), worker, span,
+                  properties.get(f"vllm_starts {report.when}", 0))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -4,7 +4,8 @@ Every pytest run writes `.cache/test-times/<UTC time>.json` and `.cache/test-tim
 each test's node id, its worker group (tests/conftest.py: xdist_group_of), its setup + call +
 teardown seconds (a session fixture's lab boot and converge count in the setup of the first test
 that asks for it) and the CPU seconds it cost - on the controller (the pytest process and the
-programs it ran and waited for: ansible-playbook, invoke, ssh) and inside its worker's labs - plus the
+programs it ran and waited for: ansible-playbook, invoke, ssh) and inside its worker's labs, and how many
+times its labs started vLLM (each start is ~20 CPU-s in a lab, the suite's largest single cost) - plus the
 run's wall time and outcome counts. The suite is CPU-bound on 2 cores (cpu_busy), so the CPU columns,
 not the wall times of tests that ran side by side, say what a cut would save. `invoke test-times` prints the
 slowest tests and the total per group; `tests/data/test-times/` keeps the snapshot of the last full
@@ -18,6 +19,7 @@ import json
 import os
 import re
 import resource
+import subprocess
 import threading
 import time
 from collections import defaultdict
@@ -157,6 +159,51 @@ def labs_cpu_s(lab_name: str, proc: Path = Path("/proc")) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+# A vLLM start costs ~20 CPU-s in a lab (three processes, each importing torch and vLLM): a test phase that
+# cost less than this in all started none, so the journal is read only for the phases that may have.
+VLLM_START_MIN_CPU_S = 4.0
+
+
+def lab_journal_dirs(labs_dir: Path, lab_name: str) -> list[Path]:
+    """The persistent journal folders of the labs named `lab_name` or `lab_name-*` (as labs_cpu_s counts
+    them): each lab's rootfs is a folder on the controller, so its journal is read without ssh."""
+    return sorted(path for lab in labs_dir.glob(f"{lab_name}*")
+                  if lab.name == lab_name or lab.name.startswith(f"{lab_name}-")
+                  for path in (lab / "rootfs" / "var" / "log" / "journal").glob("*") if path.is_dir())
+
+
+def count_vllm_starts(journal_text: str, since_epoch: float) -> int:
+    """Starts of a gptoss-vllm unit (gptoss-vllm, gptoss-vllm@N) in `journalctl -o short-unix` text at or
+    after `since_epoch`: the line systemd writes as it starts one ("Starting gptoss-vllm..."), so a
+    restart after a crash counts, and a start that failed counts too (its imports cost the same)."""
+    count = 0
+    for line in journal_text.splitlines():
+        stamp, _, rest = line.partition(" ")
+        try:
+            when = float(stamp)
+        except ValueError:
+            continue
+        writer, _, message = rest.partition(": ")  # "<host> systemd[1]", the unit's start as PID 1 logs it
+        if when >= since_epoch and writer.endswith(" systemd[1]") and message.startswith("Starting gptoss-vllm"):
+            count += 1
+    return count
+
+
+def vllm_starts(journal_dirs: Iterable[Path], since_epoch: float) -> int:
+    """How many times the labs whose journals are given started vLLM since `since_epoch`. A lab taken
+    down in the meantime is gone with its journal: its starts are not counted."""
+    count = 0
+    for directory in journal_dirs:
+        try:
+            out = subprocess.run(["journalctl", "-D", str(directory), "-u", "gptoss-vllm*", "--since",
+                                  f"@{int(since_epoch)}", "-o", "short-unix", "--no-pager", "-q"],
+                                 capture_output=True, text=True, timeout=60, check=False).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        count += count_vllm_starts(out, since_epoch)
+    return count
+
+
 def split_phase_cpu(controller_delta: float, labs_before: float, labs_after: float) -> tuple[float, float]:
     """(controller, labs) CPU seconds of one phase from the two readings of each.
 
@@ -179,6 +226,7 @@ class RunTimes:
         self.cpu: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # controller, labs
         self.outcomes: dict[str, str] = {}
         self.plays: dict[str, list[dict]] = defaultdict(list)
+        self.vllm_starts: dict[str, int] = defaultdict(int)
         # Where and when each test ran: its xdist worker, and the epoch seconds of its first phase's start
         # and last phase's end (pytest's report.start/stop), for the per-worker timeline.
         self.started_epoch = time.time()
@@ -188,8 +236,9 @@ class RunTimes:
 
     def add(self, nodeid: str, when: str, duration: float, outcome: str,
             cpu: tuple[float, float] = (0.0, 0.0), plays: Iterable[dict] = (),
-            worker: str = "", span: tuple[float, float] | None = None) -> None:
+            worker: str = "", span: tuple[float, float] | None = None, vllm_starts: int = 0) -> None:
         self.seconds[nodeid] += duration
+        self.vllm_starts[nodeid] += vllm_starts
         if worker:
             self.workers[nodeid] = worker
         if span is not None:
@@ -208,6 +257,7 @@ class RunTimes:
                   **({"worker": self.workers[nodeid]} if nodeid in self.workers else {}),
                   **({"start_s": round(self.spans[nodeid][0] - self.started_epoch, 1),
                       "end_s": round(self.spans[nodeid][1] - self.started_epoch, 1)} if nodeid in self.spans else {}),
+                  **({"vllm_starts": self.vllm_starts[nodeid]} if self.vllm_starts[nodeid] else {}),
                   **({"plays": self.plays[nodeid]} if self.plays[nodeid] else {})}
                  for nodeid, seconds in self.seconds.items()]
         counts: dict[str, int] = defaultdict(int)
@@ -245,20 +295,25 @@ def summary(record: Mapping, top: int = 15) -> str:
              "", f"slowest {min(top, len(tests))} tests (setup + call + teardown):"]
     lines += [f"  {t['seconds']:8.1f} s  {t['outcome']:7}  {t['nodeid']}" for t in tests[:top]]
     has_cpu = any("cpu_labs_s" in t for t in tests)  # records before the CPU columns have none
-    if has_cpu:
-        by_cpu = sorted(tests, key=lambda t: -(t["cpu_controller_s"] + t["cpu_labs_s"]))[:top]
-        lines += ["", f"most CPU {len(by_cpu)} tests (controller + labs):"]
-        lines += [f"  {t['cpu_controller_s'] + t['cpu_labs_s']:8.1f} s  ({t['cpu_controller_s']:.1f} + "
-                  f"{t['cpu_labs_s']:.1f})  {t['nodeid']}" for t in by_cpu]
-    lines += ["", "per group (sum of its tests; a group runs on one worker, in order)"
-              + (": wall, then CPU on the controller + in the labs" if has_cpu else ":")]
 
     def total(group_tests: list[Mapping], key: str) -> float:
         return sum(t.get(key, 0.0) for t in group_tests)
 
+    def starts(group_tests: list[Mapping]) -> str:  # records before session 22 kept no count
+        count = int(total(group_tests, "vllm_starts"))
+        return f"  ({count} vLLM start{'s' if count != 1 else ''})" if count else ""
+
+    if has_cpu:
+        by_cpu = sorted(tests, key=lambda t: -(t["cpu_controller_s"] + t["cpu_labs_s"]))[:top]
+        lines += ["", f"most CPU {len(by_cpu)} tests (controller + labs):"]
+        lines += [f"  {t['cpu_controller_s'] + t['cpu_labs_s']:8.1f} s  ({t['cpu_controller_s']:.1f} + "
+                  f"{t['cpu_labs_s']:.1f})  {t['nodeid']}{starts([t])}" for t in by_cpu]
+    lines += ["", "per group (sum of its tests; a group runs on one worker, in order)"
+              + (": wall, then CPU on the controller + in the labs" if has_cpu else ":")]
     lines += [f"  {total(v, 'seconds'):8.1f} s  {len(v):4} tests  "
               + (f"CPU {total(v, 'cpu_controller_s'):7.1f} + {total(v, 'cpu_labs_s'):7.1f} s  " if has_cpu else "")
-              + group for group, v in sorted(per_group.items(), key=lambda item: -total(item[1], "seconds"))]
+              + group + starts(v)
+              for group, v in sorted(per_group.items(), key=lambda item: -total(item[1], "seconds"))]
     plays = [play for test in tests for play in test.get("plays", [])]
     if plays:
         lines += ["", "ansible-playbook runs of the lab tests (count, wall, CPU on the controller + in the lab):"]
@@ -272,7 +327,7 @@ def summary(record: Mapping, top: int = 15) -> str:
                          f"CPU {total(chosen, 'cpu_controller_s'):7.1f} + {total(chosen, 'cpu_labs_s'):7.1f} s  {kind}")
     if has_cpu:
         lines.append(f"  all: CPU {total(tests, 'cpu_controller_s'):.0f} s on the controller + "
-                     f"{total(tests, 'cpu_labs_s'):.0f} s in the labs")
+                     f"{total(tests, 'cpu_labs_s'):.0f} s in the labs{starts(tests)}")
     lines += worker_timeline(tests, record["wall_s"])
     return "\n".join(lines)
 

@@ -151,3 +151,40 @@ def test_each_worker_lists_its_groups_in_the_order_they_ran_and_its_idle_end():
     assert "  gw1      0.0 min    330.0 s  CPU    33.0 s  2 modules without a lab" in run_times.summary(record)
     assert "per worker" not in run_times.summary({**record, "tests": [
         {k: v for k, v in t.items() if k not in ("start_s", "end_s")} for t in record["tests"]]})
+
+
+def test_vllm_starts_are_the_lines_systemd_writes_as_it_starts_a_server_unit(tmp_path):
+    """`journalctl -o short-unix` text as a lab's journal holds it: a start of gptoss-vllm and of an
+    instance count from the given time on; vLLM's own log lines, "Started" and other units do not."""
+    text = "\n".join([
+        "1000.5 gptoss-lab systemd[1]: Starting gptoss-vllm.service - gptoss: vLLM server (cpu-lab)...",
+        "1010.0 gptoss-lab systemd[1]: Starting gptoss-vllm.service - gptoss: vLLM server (cpu-lab)...",
+        "1010.1 gptoss-lab systemd[1]: Started gptoss-vllm.service - gptoss: vLLM server (cpu-lab).",
+        "1011.0 gptoss-lab gptoss-vllm[673]: (Worker pid=673) INFO Starting to load model /models/tiny-llama...",
+        "1012.0 gptoss-lab gptoss-vllm[680]: x: Starting gptoss-vllm.service (a line of the server's own)",
+        "1020.0 gptoss-lab systemd[1]: Starting gptoss-vllm@1.service - gptoss: vLLM instance 1...",
+        "1030.0 gptoss-lab systemd[1]: Starting gptoss-router.service - gptoss: router...",
+        "-- Boot 4f1c --",
+    ])
+    assert run_times.count_vllm_starts(text, 1001.0) == 2
+    assert run_times.count_vllm_starts(text, 0.0) == 3
+    assert run_times.count_vllm_starts(text, 1030.0) == 0
+    for lab in ("pytest-gw0", "pytest-gw0-copy", "pytest-gw0-trixie", "pytest-gw00", "pytest-gw1"):
+        (tmp_path / lab / "rootfs" / "var" / "log" / "journal" / "0f1e").mkdir(parents=True)
+    (tmp_path / "pytest-gw0-bare").mkdir()  # a lab without a journal yet
+    assert [d.parts[-6] for d in run_times.lab_journal_dirs(tmp_path, "pytest-gw0")] == [
+        "pytest-gw0", "pytest-gw0-copy", "pytest-gw0-trixie"]
+
+
+def test_vllm_starts_show_per_test_per_group_and_in_all():
+    times = run_times.RunTimes()
+    times.add("tests/test_a.py::test_restart", "call", 30.0, "passed", (2.0, 45.0), vllm_starts=2)
+    times.add("tests/test_a.py::test_restart", "teardown", 20.0, "passed", (1.0, 21.0), vllm_starts=1)
+    times.add("tests/test_a.py::test_read", "call", 1.0, "passed", (0.5, 0.5))
+    groups = {"tests/test_a.py::test_restart": "lab-bookworm", "tests/test_a.py::test_read": "lab-bookworm"}
+    record = times.record(groups, [], 0, 2)
+    assert record["tests"][0]["vllm_starts"] == 3 and "vllm_starts" not in record["tests"][1]
+    text = run_times.summary(record)
+    assert "(3.0 + 66.0)  tests/test_a.py::test_restart  (3 vLLM starts)" in text
+    assert "(0.5 + 0.5)  tests/test_a.py::test_read\n" in text
+    assert "lab-bookworm  (3 vLLM starts)" in text and "in the labs  (3 vLLM starts)" in text
