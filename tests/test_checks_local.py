@@ -328,6 +328,7 @@ class FakeVllm(JsonHandler):
     """A tiny OpenAI-shaped server: /health, authenticated /v1/models and /v1/completions."""
 
     broken_completion = False
+    delay_s = 0.0  # before every answer but /health's: a busy engine
 
     def _authorized(self) -> bool:
         return self.headers.get("Authorization") == f"Bearer {API_KEY}"
@@ -338,6 +339,7 @@ class FakeVllm(JsonHandler):
         if not self._authorized():
             return self._send(401, {"error": "unauthorized"})
         if self.path == "/v1/models":
+            time.sleep(self.delay_s)
             return self._send(200, {"data": [{"id": "gpt-oss-20b"}]})
         return self._send(404)
 
@@ -347,6 +349,7 @@ class FakeVllm(JsonHandler):
         request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if self.broken_completion:
             return self._send(500, {"error": "engine dead"})
+        time.sleep(self.delay_s)
         self._send(200, {"choices": [{"text": " world"}],
                          "usage": {"completion_tokens": min(2, request["max_tokens"])}})
 
@@ -359,6 +362,7 @@ def api_server():
     yield server
     server.shutdown()
     FakeVllm.broken_completion = False
+    FakeVllm.delay_s = 0.0
 
 
 def api_roles(server, tmp_path, key: str = API_KEY) -> dict:
@@ -385,6 +389,15 @@ def test_api_checks_fail_on_wrong_key_wrong_model_and_500(api_server, tmp_path):
     FakeVllm.broken_completion = True
     broken = checks.check_completion(ctx_for(api_roles(api_server, tmp_path)))
     assert broken.status == "fail" and "engine dead" in broken.reason
+
+
+def test_a_completion_may_wait_longer_than_the_per_request_timeout(api_server, tmp_path):
+    """--timeout bounds /health and /v1/models; a completion queues behind the engine's other requests
+    and gets at least COMPLETION_TIMEOUT_S, so a busy server is not reported as one that cannot serve."""
+    FakeVllm.delay_s = 1.0
+    res = by_id(checks.run_checks(ctx_for(api_roles(api_server, tmp_path), timeout=0.5), {"API-002", "API-003"}))
+    assert (res["API-002"].status, res["API-002"].found) == ("fail", "no response")
+    assert res["API-003"].status == "pass" and res["API-003"].found.startswith("2 tokens in 1")
 
 
 def test_replica_instances_are_checked_one_by_one_and_a_dead_one_hides_nothing(api_server, tmp_path):

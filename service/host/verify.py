@@ -191,7 +191,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-completion", action="store_true", help="skip API-003 and API-004 (real completions)")
     parser.add_argument("--waivers", metavar="FILE", help="JSON list of {id, reason, expires?}")
     parser.add_argument("--only", metavar="ID,ID", help="run only these check IDs")
-    parser.add_argument("--timeout", type=float, default=2.0, help="HTTP timeout per request, seconds")
+    parser.add_argument("--timeout", type=float, default=2.0,
+                        help="HTTP timeout per request, seconds (a completion, API-003 and API-004, waits at least "
+                             f"{checks.COMPLETION_TIMEOUT_S:.0f} s: it queues behind the server's other requests)")
     return parser.parse_args(argv)
 
 
