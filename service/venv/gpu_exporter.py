@@ -358,6 +358,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="while NVML is unavailable, try its init again on a scrape at most this often")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
+    # The handlers come before the server: a stop that arrives as soon as /metrics answers must end
+    # the exporter cleanly (exit 0), not by the signal's default action (a loaded test run caught that).
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
     registry, nvml, xid = build_registry(args.retry_interval)
     nvml.ensure()  # the first state is in the log at once, not at the first scrape
     if nvml.ready:
@@ -368,9 +373,6 @@ def main(argv: list[str] | None = None) -> int:
         LOG.error("cannot listen on %s:%s: %s", args.listen_address, args.port, err)
         return 2
     LOG.info("serving /metrics on %s:%s", args.listen_address, args.port)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     xid.stop.set()
     server.shutdown()
