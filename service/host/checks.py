@@ -585,6 +585,10 @@ def check_running_venv(ctx: Context) -> CheckResult:
 COMPLETION_TIMEOUT_S = 30.0
 
 
+def _completion_timeout(ctx: Context) -> float:
+    return max(ctx.timeout, COMPLETION_TIMEOUT_S)
+
+
 def _http(ctx: Context, path: str, body: dict | None = None, auth: bool = True,
           timeout: float | None = None) -> tuple[int, bytes]:
     role = ctx.role("vllm_service")
@@ -647,7 +651,7 @@ def check_completion(ctx: Context) -> CheckResult:
         start = time.monotonic()
         # The gate's own request (one home): sampling left to the server, as for a client that sets none.
         status, body = _http(ctx, "/v1/completions", rollout.completion_body(name, "Hello", 8),
-                             timeout=max(ctx.timeout, COMPLETION_TIMEOUT_S))
+                             timeout=_completion_timeout(ctx))
         ms = (time.monotonic() - start) * 1000
         if status != 200:
             return CheckResult(cid, title, "fail", ">= 1 token", f"HTTP {status}", body[:200].decode(errors="replace"))
@@ -712,7 +716,7 @@ def check_chat(ctx: Context) -> CheckResult:
 
     def ask(extra: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
         status, body = _http(ctx, "/v1/chat/completions", {"model": name, "messages": messages, **extra},
-                             timeout=max(ctx.timeout, COMPLETION_TIMEOUT_S))
+                             timeout=_completion_timeout(ctx))
         if status != 200:
             return None, f"HTTP {status}: {body[:200].decode(errors='replace')}"
         reply = json.loads(body)
