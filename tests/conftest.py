@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
@@ -502,6 +503,12 @@ NOT_CONVERGE_STATE = ("/proc/", "/sys/", "/dev/", "/run/", "/tmp/", "/var/tmp/",
                       "/var/lib/systemd/", "/var/lib/apt/", "/var/lib/dpkg/", "/root/", "/var/lib/sudo/",
                       # Prometheus's TSDB and Alertmanager's state: what the services write while they run.
                       "/var/lib/prometheus/")
+
+
+def reasons(rows: Iterable[dict]) -> str:
+    """Verify's failing rows, whole: an assertion message that says why (a dict repr is cut short)."""
+    return "\n".join(f"{r['id']} {r['status']}: {r['reason']} (found: {r['found']})" for r in rows
+                     if r["status"] in ("fail", "error"))
 
 
 def files_written_since(lab: Lab, marker: str) -> list[str]:

@@ -14,7 +14,7 @@ import time
 import urllib.error
 import urllib.request
 
-from conftest import ROOT, VENV_BIN, Lab
+from conftest import ROOT, VENV_BIN, Lab, reasons
 
 INPUTS = ["/etc/systemd/system/gptoss-vllm.service", "/etc/gptoss/vllm-args.json", "/etc/gptoss/vllm-secrets.env",
           "/etc/gptoss/verify.d/vllm_service.json", "/etc/gptoss/nccl.env"]
@@ -48,11 +48,6 @@ def completion(lab: Lab, key: str | None = None) -> int:
 def verify(lab: Lab, only: str) -> tuple[int, dict[str, dict]]:
     proc = lab.ssh(f"cd /opt/gptoss/lib && python3 -m service.host.verify --json --only {only}", check=False)
     return proc.returncode, {r["id"]: r for r in json.loads(proc.stdout)["results"]}
-
-
-def not_passing(results: dict[str, dict]) -> dict[str, dict]:
-    """The checks that failed or erred, whole: what a failed `code == 0` must show (pytest cuts a long dict)."""
-    return {cid: result for cid, result in results.items() if result["status"] not in ("pass", "skip")}
 
 
 def server_env(lab: Lab, name: str) -> str | None:
@@ -110,7 +105,7 @@ def test_port_held_by_another_process_is_refused_before_the_server_stops(lab: La
         lab.sh("systemctl stop gptoss-test-portholder; true")
     assert completion(lab) == 200
     code, results = verify(lab, "SVC-001,SVC-003,SVC-004,API-001,API-002,API-003")
-    assert code == 0, not_passing(results)
+    assert code == 0, reasons(results.values())
 
 
 def test_drift_reported_then_live_through_a_crash_loop_to_the_start_limit_then_a_converge_recovers(lab: Lab):
@@ -155,7 +150,7 @@ def test_drift_reported_then_live_through_a_crash_loop_to_the_start_limit_then_a
     assert server_env(lab, name) == value
     assert completion(lab) == 200
     code, results = verify(lab, "SVC-001,SVC-004,ENV-001,API-003")
-    assert code == 0, not_passing(results)
+    assert code == 0, reasons(results.values())
 
 
 def test_awkward_keys_pass_through_a_real_converge_unchanged(lab: Lab):
@@ -167,7 +162,7 @@ def test_awkward_keys_pass_through_a_real_converge_unchanged(lab: Lab):
         assert completion(lab, key) == 200
         assert completion(lab) == 401 and completion(lab, key + "x") == 401
         code, results = verify(lab, "SVC-004,API-002,API-003")  # the checks read it the same way
-        assert code == 0, not_passing(results)
+        assert code == 0, reasons(results.values())
         assert found_on_lab(lab, key) == "", "the key is in a log or a backup"
         assert lab.sh("find /etc/gptoss -name 'vllm-secrets.env*~'") == ""
         print(f"[must-show] key {key!r}: server has it unchanged, 200 with it, 401 without, verify passes, "
@@ -207,4 +202,4 @@ def test_two_changing_converges_at_once_take_turns_and_end_sound(lab: Lab):
     assert lab.sh("cat /etc/gptoss/vllm-secrets.env") == NO_KEY_FILE
     assert completion(lab) == 200
     code, results = verify(lab, "SVC-001,SVC-003,SVC-004,API-002,API-003")
-    assert code == 0, not_passing(results)
+    assert code == 0, reasons(results.values())

@@ -7,7 +7,7 @@ import time
 import urllib.parse
 
 import pytest
-from conftest import ROOT, Lab, run_invoke
+from conftest import ROOT, Lab, reasons, run_invoke
 
 from lab import nspawn
 
@@ -40,11 +40,6 @@ def wait_until_serving(lab: Lab) -> None:
 def failing(report: dict) -> set[str]:
     return {cid for cid, status in statuses(report).items() if status in ("fail", "error")}
 
-
-def reasons(report: dict) -> str:
-    """The failing rows, whole: an assertion message that says why (a dict repr is cut short)."""
-    return "\n".join(f"{r['id']} {r['status']}: {r['reason']} (found: {r['found']})" for r in report["results"]
-                     if r["status"] in ("fail", "error"))
 
 
 def test_verify_across_the_inventory_passes_after_converge(lab: Lab, tmp_path):
@@ -79,7 +74,7 @@ def test_remount_without_nobarrier_fails_only_the_mount_check(lab: Lab):
     try:
         code, report = verify_local(lab, "--no-completion")
         assert code == 1
-        assert failing(report) == {"MNT-001"}, reasons(report)
+        assert failing(report) == {"MNT-001"}, reasons(report["results"])
     finally:
         lab.sh("mount -o remount,nobarrier /models")
 
@@ -91,7 +86,7 @@ def test_stripped_nccl_variable_fails_only_the_env_check(lab: Lab):
         wait_until_serving(lab)
         code, report = verify_local(lab)
         assert code == 1
-        assert failing(report) == {"ENV-001"}, reasons(report)
+        assert failing(report) == {"ENV-001"}, reasons(report["results"])
         assert "NCCL_IB_DISABLE missing" in next(r for r in report["results"] if r["id"] == "ENV-001")["reason"]
     finally:
         lab.sh("cp -p /root/nccl.env.saved /etc/gptoss/nccl.env && systemctl restart gptoss-vllm")
@@ -113,7 +108,7 @@ def test_only_the_api_listens_on_the_service_address_and_a_hand_edit_is_caught_a
            " && systemctl restart gptoss-vllm")
     wait_until_serving(lab)
     code, report = verify_local(lab, "--no-completion")
-    assert code == 1 and failing(report) == {"NET-001"}, reasons(report)
+    assert code == 1 and failing(report) == {"NET-001"}, reasons(report["results"])
     reason = next(r for r in report["results"] if r["id"] == "NET-001")["reason"]
     assert reason.startswith(f"tcp {address} ports ") and "VLLM::Worker): on the service address" in reason, reason
     repaired = lab.play("site.yml")
@@ -161,7 +156,7 @@ def test_stopped_unit_fails_the_service_checks_only(lab: Lab):
         # (up to an interval old; a stale "up" is taken as it is): it passes, or fails naming the vllm
         # target alone.
         assert bad <= {"SVC-001", "SVC-003", "SVC-004", "SVC-005", "ENV-001",
-                       "API-001", "API-002", "API-003", "API-004", "NET-001", "MON-001"}, reasons(report)
+                       "API-001", "API-002", "API-003", "API-004", "NET-001", "MON-001"}, reasons(report["results"])
         mon = next(r for r in report["results"] if r["id"] == "MON-001")
         assert mon["status"] == "pass" or (mon["reason"].startswith("down: vllm ") and ";" not in mon["reason"]), mon
         assert statuses(report)["MNT-001"] == "pass" and statuses(report)["MDL-001"] == "pass"
@@ -175,7 +170,7 @@ def test_corrupted_weights_fail_naming_the_file_and_converge_repairs(lab: Lab):
     lab.sh(f"truncate -s 1000 {shard}")
     code, report = verify_local(lab, "--no-completion")
     assert code == 1
-    assert failing(report) == {"MDL-001"}, reasons(report)
+    assert failing(report) == {"MDL-001"}, reasons(report["results"])
     assert "model-00001-of-00001.safetensors" in next(r for r in report["results"] if r["id"] == "MDL-001")["reason"]
     repaired = lab.play("playbooks/model.yml")
     assert repaired.rc == 0, repaired.output[-3000:]
