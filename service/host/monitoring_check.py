@@ -25,6 +25,10 @@ from ansible_collections.gptoss.host.plugins.module_utils import prom_text, veri
 
 # A target not scraped yet (Prometheus just (re)started) reads "unknown": wait up to this long for a verdict.
 FIRST_SCRAPE_WAIT_S = 30.0
+# After a (re)load, Prometheus's discovery manager hands the new targets to its scrape manager at most every
+# 5 s, so for a few seconds the API lists none of them (the demo's verify, 4 s after the role's reload, read
+# every target as not configured). A target missing that soon after a reload is waited for, not reported.
+RELOAD_SETTLE_S = 15.0
 
 
 def get_json(url: str, timeout: float) -> Any:
@@ -55,13 +59,16 @@ def _interval_s(target: dict[str, Any]) -> float:
     return int(value.group(1)) * {"ms": 0.001, "s": 1.0, "m": 60.0}[value.group(2)] if value else 60.0
 
 
-def targets(base: str, expected: list[str], timeout: float, wait_s: float = FIRST_SCRAPE_WAIT_S) -> dict[str, Any]:
+def targets(base: str, expected: list[str], timeout: float, wait_s: float = FIRST_SCRAPE_WAIT_S,
+            settle_s: float = RELOAD_SETTLE_S) -> dict[str, Any]:
     """{"up": [...], "down": {target: error}, "missing": [...], "unexpected": [...]}, keyed '<job> <instance>'.
 
     A verdict is the target's last scrape, up to an interval old. A target not scraped yet ("unknown":
     Prometheus just started) is waited for, and so is one that is down: its last scrape may predate a
     restart that has since finished (verify right after vLLM came back read "down" in the suite), so it
-    is asked again once a scrape newer than this call exists, at most one interval (+ 5 s) later."""
+    is asked again once a scrape newer than this call exists, at most one interval (+ 5 s) later. A target
+    missing from the API is waited for only while the configuration is under `settle_s` old (a reload just
+    now: its targets are not handed over yet); later, missing means not configured."""
     asked_at = time.time()
     deadline = time.monotonic() + wait_s
     while True:
@@ -71,7 +78,8 @@ def targets(base: str, expected: list[str], timeout: float, wait_s: float = FIRS
         stale_down = [key for key in expected if key in seen and seen[key].get("health") == "down"
                       and _scraped_at(seen[key]) < asked_at
                       and time.time() < asked_at + _interval_s(seen[key]) + 5.0]
-        if not (unknown or stale_down) or time.monotonic() >= deadline:
+        settling = any(key not in seen for key in expected) and time.time() < last_reload(base, timeout) + settle_s
+        if not (unknown or stale_down or settling) or time.monotonic() >= deadline:
             break
         time.sleep(1)
     return {
