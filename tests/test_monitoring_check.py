@@ -46,7 +46,7 @@ class Metrics(http.server.BaseHTTPRequestHandler):
 def scrape_config(*targets: int) -> str:
     """A configuration scraping each port as its own job (x, then y), every 2 s."""
     jobs = "".join(f"  - job_name: {job}\n    static_configs: [{{targets: ['127.0.0.1:{port}']}}]\n"
-                   for job, port in zip("xy", targets))
+                   for job, port in zip("xy"[:len(targets)], targets, strict=True))
     return f"global: {{scrape_interval: 2s, scrape_timeout: 1s}}\nscrape_configs:\n{jobs}"
 
 
