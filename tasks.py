@@ -573,8 +573,8 @@ def test(c, k="", args="", workers=3, drills=False, quick=False):
                                "top": "how many of the slowest tests to list"})
 def test_times(c, file="", top=15):
     """The slowest tests, the costliest in CPU (controller + labs), both per group, the lab tests'
-    ansible-playbook runs by kind, the least memory available and each worker's groups in the order
-    they ran, of a test run (every `invoke test` writes the record)."""
+    ansible-playbook runs by kind, each worker's groups in the order they ran, and the least memory
+    available with the tests running then, of a test run (every `invoke test` writes the record)."""
     sys.path.insert(0, str(ROOT / "tests"))
     import run_times
 

@@ -108,6 +108,7 @@ class MemoryFloor:
 
     def __init__(self, every_s: float = 2.0, read=mem_available_mib) -> None:
         self.least: int | None = None
+        self.least_at: float | None = None  # epoch seconds of that sample: the record names the tests then
         self.read = read
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(every_s,), daemon=True, name="memory-floor")
@@ -115,7 +116,7 @@ class MemoryFloor:
     def sample(self) -> None:
         value = self.read()
         if value is not None and (self.least is None or value < self.least):
-            self.least = value
+            self.least, self.least_at = value, time.time()
 
     def _run(self, every_s: float) -> None:
         while not self._stop.is_set():
@@ -267,6 +268,8 @@ class RunTimes:
                 "wall_s": round(time.monotonic() - self.started, 1), "exit_status": exit_status,
                 "args": list(args), "workers": workers, "cpu_busy": cpu_busy(self.cpu_started, cpu_times()),
                 "mem_available_min_mib": self.memory.stop(),
+                **({"mem_available_min_at_s": round(self.memory.least_at - self.started_epoch, 1)}
+                   if self.memory.least_at is not None else {}),
                 "counts": dict(counts), "tests": sorted(tests, key=lambda t: -t["seconds"])}
 
     def write(self, record: dict, directory: Path = TIMES_DIR) -> Path:
@@ -329,7 +332,19 @@ def summary(record: Mapping, top: int = 15) -> str:
         lines.append(f"  all: CPU {total(tests, 'cpu_controller_s'):.0f} s on the controller + "
                      f"{total(tests, 'cpu_labs_s'):.0f} s in the labs{starts(tests)}")
     lines += worker_timeline(tests, record["wall_s"])
+    lines += memory_floor_tests(tests, record.get("mem_available_min_at_s"), record.get("mem_available_min_mib"))
     return "\n".join(lines)
+
+
+def memory_floor_tests(tests: list[Mapping], at_s: float | None, least_mib: int | None) -> list[str]:
+    """The tests that were running when the run's least memory was seen: what to look at first when the
+    floor comes near zero (CI's machine has no swap). Empty for records without the moment."""
+    if at_s is None:
+        return []
+    running = sorted((t for t in tests if "start_s" in t and t["start_s"] <= at_s <= t["end_s"]),
+                     key=lambda t: t.get("worker", ""))
+    return (["", f"running at {at_s / 60:.1f} min, when the least memory ({least_mib} MiB) was seen:"]
+            + [f"  {t.get('worker', 'main'):5} {t['nodeid']}" for t in running])
 
 
 def worker_timeline(tests: list[Mapping], wall_s: float) -> list[str]:

@@ -111,6 +111,24 @@ def test_the_least_available_memory_of_the_run_is_kept():
     assert run_times.mem_available_mib() > 0  # this machine's /proc/meminfo
 
 
+def test_the_tests_running_at_the_memory_floor_are_named():
+    times = run_times.RunTimes()
+    times.memory = run_times.MemoryFloor(read=lambda: 1500)
+    times.memory.sample()
+    at = times.memory.least_at
+    times.add("tests/test_a.py::test_before", "call", 1.0, "passed", worker="gw0",
+              span=(at - 30.0, at - 10.0))
+    times.add("tests/test_a.py::test_during", "call", 1.0, "passed", worker="gw0", span=(at - 5.0, at + 5.0))
+    times.add("tests/test_b.py::test_also", "call", 1.0, "passed", worker="gw1", span=(at - 1.0, at + 60.0))
+    record = times.record({}, [], 0, 2)
+    assert record["mem_available_min_at_s"] == round(at - times.started_epoch, 1)
+    text = run_times.summary(record)
+    tail = text[text.index("when the least memory (1500 MiB) was seen:"):]
+    assert "gw0   tests/test_a.py::test_during" in tail and "gw1   tests/test_b.py::test_also" in tail
+    assert "test_before" not in tail
+    assert "when the least memory" not in run_times.summary({**record, "mem_available_min_at_s": None})
+
+
 
 def test_the_recap_counts_are_read_once_for_every_caller():
     assert run_times.recap_counts("host : ok=3 changed=1 failed=0\n") == {"ok": 3, "changed": 1, "failed": 0}
@@ -138,7 +156,7 @@ def test_each_worker_lists_its_groups_in_the_order_they_ran_and_its_idle_end():
     record["wall_s"] = 360.0
     one = next(t for t in record["tests"] if t["nodeid"].endswith("test_one"))
     assert (one["worker"], one["start_s"], one["end_s"]) == ("gw0", 0.0, 120.0)
-    timeline = run_times.summary(record).split("per worker")[1].splitlines()[1:]
+    timeline = run_times.summary(record).split("per worker")[1].split("\n\n")[0].splitlines()[1:]
     assert timeline == [
         "  gw0      0.0 min    120.0 s  CPU    65.0 s  lab-bookworm",
         "  gw0      2.0 min     60.0 s  CPU     5.0 s  1 module without a lab",
