@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -25,6 +26,7 @@ import run_times  # noqa: E402
 from ansible_collections.gptoss.host.plugins.module_utils.verify_contract import CONTRACT, NONE  # noqa: E402
 
 from lab import nspawn  # noqa: E402
+from service.host.checks import process_tree  # noqa: E402
 
 # Under pytest-xdist each worker boots labs of its own (gw0, gw1, ...): a group of tests that shares a
 # lab runs on one worker (xdist_group_of below), and two groups on two workers never share a name.
@@ -326,6 +328,25 @@ class PlayStart(NamedTuple):
     labs_cpu_s: float
 
 
+def kill_play_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL to a play started in a session of its own and to every process under it, as a kill -9 of
+    the whole thing. A process group is not enough: Mitogen forks its helper for each play into a session
+    of its own, and one forked as the group's kill landed outlived it (parent 1, asleep) for the rest of
+    the run, three per full run. The tree is stopped first, so nothing in it forks while it is read."""
+    stopped: set[int] = set()
+    while fresh := set(process_tree(proc.pid)) - stopped:
+        for pid in fresh:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        stopped |= fresh
+    for pid in stopped:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 class Lab:
     """The lab host of this test session."""
 
@@ -370,7 +391,7 @@ class Lab:
         try:
             output, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_play_tree(proc)
             proc.communicate()
             raise
         return self._play_ended(proc.gptoss_play, PlayResult(proc.returncode, output, 0.0))  # type: ignore[attr-defined]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import ssl
 import time
 import urllib.error
@@ -11,7 +10,7 @@ import urllib.request
 
 import pytest
 import run_times
-from conftest import Lab
+from conftest import Lab, kill_play_tree
 
 from lab import nspawn
 
@@ -116,7 +115,6 @@ def test_https_completion_through_the_reverse_proxy(lab: Lab, keyed_server, tmp_
 
 
 def test_interrupted_play_converges_when_run_again(lab: Lab):
-    import signal
     import subprocess
 
     from conftest import ROOT, VENV_BIN
@@ -126,8 +124,7 @@ def test_interrupted_play_converges_when_run_again(lab: Lab):
                             cwd=ROOT, env=lab.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     time.sleep(40)  # somewhere in the middle of the play (it takes well over a minute)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_play_tree(proc)
     rerun = lab.play("site.yml")
     assert rerun.rc == 0, rerun.output[-5000:]
     # No half-written file anywhere the play writes: atomic writes leave only whole files.

@@ -14,14 +14,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import threading
 import time
 import urllib.request
 
 import pytest
-from conftest import ROOT, VENV_BIN, Lab, record_timing
+from conftest import ROOT, VENV_BIN, Lab, kill_play_tree, record_timing
 from olah_server import HubRepo, Olah, OlahProxy, TokenGate, copy_model, git, install_olah
 
 TINY_MODEL = ROOT / ".cache" / "tiny-llama-chat-bin"
@@ -93,8 +92,7 @@ def kill_play(lab: Lab, proc: subprocess.Popen) -> None:
     module it started on the lab (by its pid) if it outlived the play. Under Mitogen (ansible.cfg) the
     fetch venv's python on the host exits when its connection goes; under the stock strategy the
     module would finish on its own. Either way nothing of the killed play may still be writing."""
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_play_tree(proc)
     running = "pgrep -f '/opt/gptoss/fetch-[v]env/bin/python' || true"
     pids = lab.ssh(running).stdout.split()
     if pids:

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import signal
 import subprocess
 import threading
 import time
@@ -27,7 +25,7 @@ import time
 import load_client
 import pytest
 import run_times
-from conftest import ROOT, VENV_BIN, Lab, record_timing
+from conftest import ROOT, VENV_BIN, Lab, kill_play_tree, record_timing
 
 # In the default run since it passed whole on a fresh lab (14.5 min alone): it builds two vLLM venvs
 # and restarts vLLM about eight times, on a copied lab (COPIED_LAB_MODULES, tests/conftest.py).
@@ -170,8 +168,7 @@ def test_a_play_killed_mid_install_leaves_the_server_untouched_and_the_next_run_
             time.sleep(15)
             break
         time.sleep(2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_play_tree(proc)
     # The host side dies too, all at once: the module first would otherwise clean up after its pip.
     doomed = remote_pids(lab, "AnsiballZ") + remote_pids(lab, "pip install")
     lab.ssh(f"kill -9 {' '.join(map(str, doomed))}", check=False)
