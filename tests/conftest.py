@@ -60,6 +60,7 @@ TRIXIE_LAB_FIXTURES = {"trixie_lab", "trixie_converged"}
 # every unit it runs: units are not labs, a run copies the origin's lab at most once per worker. So each
 # module leaves the lab as a converge left it, for whichever module runs next on that worker.
 ORIGIN_GROUP = "lab-bookworm"
+TRIXIE_GROUP = "lab-trixie"
 COPIED_LAB_MODULES = {
     "test_failpaths_lab", "test_faults", "test_verify_lab",
     # The upgrade drill builds two more venvs and restarts vLLM a handful of times.
@@ -82,7 +83,7 @@ OWN_LAB_MODULES = {"test_lab_image", "test_fleet_lab", "test_reboot_lab"}
 # the other workers run them while the origin converges and saves its image, instead of waiting for it;
 # then the units on copied labs, longest first by the committed record of a full run (TIMES_RECORD), so
 # that no long unit starts last (session 13: the longest group started fourth and ended the run alone).
-FIRST_GROUPS = [ORIGIN_GROUP, "no-lab", "lab-trixie", "lab-bare-bookworm", "lab-bare-trixie", "lab-test_lab_image",
+FIRST_GROUPS = [ORIGIN_GROUP, "no-lab", TRIXIE_GROUP, "lab-bare-bookworm", "lab-bare-trixie", "lab-test_lab_image",
                 "lab-test_reboot_lab"]
 TIMES_RECORD = ROOT / "tests" / "data" / "test-times" / "full-run-session22.json"
 
@@ -123,12 +124,12 @@ def xdist_group_of(item: pytest.Item) -> str:
     names = set(item.fixturenames)
     params = getattr(getattr(item, "callspec", None), "params", {})
     if "apt_restored" in names:  # picks its lab at run time, by parameter
-        return "lab-trixie" if params.get("apt_restored") == "trixie" else "lab-bookworm"
+        return TRIXIE_GROUP if params.get("apt_restored") == "trixie" else ORIGIN_GROUP
     if names & BOOKWORM_LAB_FIXTURES:
         module = item.module.__name__
         return f"{COPIED_GROUP_PREFIX}{module}" if module in COPIED_LAB_MODULES else ORIGIN_GROUP
     if names & TRIXIE_LAB_FIXTURES:
-        return "lab-trixie"
+        return TRIXIE_GROUP
     if "bare_lab" in names:
         return f"lab-bare-{params.get('bare_lab')}"
     if item.module.__name__ in OWN_LAB_MODULES:
@@ -234,6 +235,7 @@ def pytest_runtest_call(item: pytest.Item):
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     yield from measured_cpu(item, "teardown")
     say_when_the_origin_made_no_image(item, nextitem)
+    take_down_the_session_lab_once_its_group_ends(item, nextitem)
 
 
 def say_when_the_origin_made_no_image(item: pytest.Item, nextitem: pytest.Item | None) -> None:
@@ -244,6 +246,21 @@ def say_when_the_origin_made_no_image(item: pytest.Item, nextitem: pytest.Item |
         if clones_in_this_run() and not (target / nspawn.IMAGE_META).exists():
             target.mkdir(parents=True, exist_ok=True)
             (target / IMAGE_NONE).touch()
+
+
+def take_down_the_session_lab_once_its_group_ends(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Under xdist a group's tests run on one worker, one after another, and xdist keeps the last one
+    back until it knows the next: after the trixie group's last test no later test of this worker asks
+    for the trixie lab (only that group's tests do), so it goes now instead of at the end of the session,
+    where it held its zram root and services idle for the rest of the run. (Not so the origin lab: the
+    session's `lab` stays the origin for every later group of its worker.)"""
+    if not os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get("GPTOSS_KEEP_LAB") == "1" \
+            or os.environ.get("GPTOSS_REUSE_LAB") == "1":
+        return
+    if xdist_group_of(item) != TRIXIE_GROUP or (nextitem is not None and xdist_group_of(nextitem) == TRIXIE_GROUP):
+        return
+    if nspawn.load_state(TRIXIE_LAB_NAME) is not None:
+        print(f"lab: {nspawn.down(TRIXIE_LAB_NAME)} (its group is done)")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
