@@ -347,9 +347,10 @@ class PlayStart(NamedTuple):
 
 def kill_play_tree(proc: subprocess.Popen) -> None:
     """SIGKILL to a play started in a session of its own and to every process under it, as a kill -9 of
-    the whole thing. A process group is not enough: Mitogen forks its helper for each play into a session
-    of its own, and one forked as the group's kill landed outlived it (parent 1, asleep) for the rest of
-    the run, three per full run. The tree is stopped first, so nothing in it forks while it is read."""
+    the whole thing. A process group is not enough: a fork of the play in a session of its own (pid =
+    process group = session, the play's command line, three threads asleep in poll; Mitogen's connection
+    code calls setsid, which part forked it was not pinned down) outlived the group's kill, parent 1, for
+    the rest of the run: three per full run. The tree is stopped first, so nothing in it forks while read."""
     stopped: set[int] = set()
     while fresh := set(process_tree(proc.pid)) - stopped:
         for pid in fresh:
