@@ -238,10 +238,16 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     take_down_the_session_lab_once_its_group_ends(item, nextitem)
 
 
+def last_test_of(group: str, item: pytest.Item, nextitem: pytest.Item | None) -> bool:
+    """Whether `item` is the last test of `group` on this worker (xdist keeps a worker's last test back
+    until it knows the next one, so `nextitem` is the test that really runs next, or None at the end)."""
+    return xdist_group_of(item) == group and (nextitem is None or xdist_group_of(nextitem) != group)
+
+
 def say_when_the_origin_made_no_image(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     """After the origin group's last test: if none of its selected tests converged the lab, there is no
     image; say so, and the waiting workers converge labs of their own."""
-    if xdist_group_of(item) == ORIGIN_GROUP and (nextitem is None or xdist_group_of(nextitem) != ORIGIN_GROUP):
+    if last_test_of(ORIGIN_GROUP, item, nextitem):
         target = image_dir(this_run())
         if clones_in_this_run() and not (target / nspawn.IMAGE_META).exists():
             target.mkdir(parents=True, exist_ok=True)
@@ -249,15 +255,13 @@ def say_when_the_origin_made_no_image(item: pytest.Item, nextitem: pytest.Item |
 
 
 def take_down_the_session_lab_once_its_group_ends(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """Under xdist a group's tests run on one worker, one after another, and xdist keeps the last one
-    back until it knows the next: after the trixie group's last test no later test of this worker asks
-    for the trixie lab (only that group's tests do), so it goes now instead of at the end of the session,
-    where it held its zram root and services idle for the rest of the run. (Not so the origin lab: the
-    session's `lab` stays the origin for every later group of its worker.)"""
+    """Under xdist a group's tests run on one worker, one after another: after the trixie group's last
+    test no later test of this worker asks for the trixie lab (only that group's tests do), so it goes now
+    instead of at the end of the session, where it held its zram root and services idle for the rest of
+    the run. (Not so the origin lab: the session's `lab` stays the origin for every later group of its
+    worker.)"""
     if not os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get("GPTOSS_KEEP_LAB") == "1" \
-            or os.environ.get("GPTOSS_REUSE_LAB") == "1":
-        return
-    if xdist_group_of(item) != TRIXIE_GROUP or (nextitem is not None and xdist_group_of(nextitem) == TRIXIE_GROUP):
+            or os.environ.get("GPTOSS_REUSE_LAB") == "1" or not last_test_of(TRIXIE_GROUP, item, nextitem):
         return
     if nspawn.load_state(TRIXIE_LAB_NAME) is not None:
         print(f"lab: {nspawn.down(TRIXIE_LAB_NAME)} (its group is done)")

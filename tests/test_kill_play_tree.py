@@ -8,7 +8,7 @@ import time
 from conftest import kill_play_tree
 
 # A parent in a session of its own (as Lab.start_play starts a play) that forks a child which leaves the
-# group for a session of its own, as Mitogen's helper does, and prints the child's pid.
+# group for a session of its own, as the processes that killed plays left behind had, and prints its pid.
 PARENT = """
 import subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
