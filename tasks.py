@@ -570,11 +570,24 @@ def test(c, k="", args="", workers=3, drills=False, quick=False):
 
 
 @task(name="test-times", help={"file": "a run's record (default: the last run, .cache/test-times/last.json)",
-                               "top": "how many of the slowest tests to list"})
-def test_times(c, file="", top=15):
+                               "top": "how many of the slowest tests to list",
+                               "pacct": "instead: a process accounting file written during a run (`accton FILE`, "
+                                        "package acct), summed by process tree (controller/acct_cpu.py)"})
+def test_times(c, file="", top=15, pacct=""):
     """The slowest tests, the costliest in CPU (controller + labs), both per group, the lab tests'
     ansible-playbook runs by kind, each worker's groups in the order they ran, and the least memory
-    available with the tests running then, of a test run (every `invoke test` writes the record)."""
+    available with the tests running then, of a test run (every `invoke test` writes the record).
+    With --pacct: the run's CPU by process tree (Ansible, vLLM, what ran over SSH in the labs, ...)."""
+    if pacct:
+        from controller import acct_cpu
+
+        if not Path(pacct).is_file():
+            raise Exit(f"test-times: no accounting file at {pacct}", code=2)
+        try:
+            print(acct_cpu.summary(Path(pacct), int(top) + 10))
+        except ValueError as exc:
+            raise Exit(f"test-times: {exc}", code=2) from exc
+        return
     sys.path.insert(0, str(ROOT / "tests"))
     import run_times
 
