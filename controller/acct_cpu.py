@@ -13,7 +13,8 @@ or inside a lab (a lab's processes are the controller's too, in a child pid name
 - everything else on the controller, by command name.
 
 A process's command name is the name of its last thread to exit (vLLM's worker often ends as
-`gloo_tcp_loop`), so a vLLM tree is known by any of its names, not only its top one. Processes still
+`gloo_tcp_loop`, its engine as `python`), so a vLLM tree is known by its top (the venv's `python`) or by
+any of vLLM's names in it. Processes still
 running when accounting stops are not in the file.
 """
 
@@ -121,7 +122,10 @@ def category(process: Process) -> str:
             if process.comm in ("python3", "sshd"):
                 return "lab: over SSH, Ansible's modules and sessions"
             return f"lab: over SSH, {process.comm}"
-        if tree_has_vllm(top) or any(is_vllm(p) for p in below):
+        # The vLLM unit starts the venv's `python` (the other services are Prometheus, exporters on the
+        # system python3, Open WebUI, the router): its tree counts even when no process in it ended under
+        # vLLM's names, as when the engine died first and its worker went to the lab's init.
+        if top.comm == "python" or tree_has_vllm(top) or any(is_vllm(p) for p in below):
             return "lab: vLLM servers (start and serve)"
         return f"lab: service {top.comm}"
     for name in names:

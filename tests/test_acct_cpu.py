@@ -31,6 +31,10 @@ RUN = [
     (201, 200, 1000, "systemd", 10, 0),
     (200, 1, 1000, "systemd-nspawn", 1, 1),
     (101, 1, 1050, "tar", 0, 40),
+    # a second server: its engine ended as 'python' and its worker went to the lab's init first
+    (305, 201, 1060, "gloo_tcp_loop", 300, 0),
+    (304, 303, 1056, "python", 200, 0),
+    (303, 201, 1055, "python", 100, 0),
 ]
 
 
@@ -58,15 +62,17 @@ def test_each_process_lands_in_its_tree(pacct):
     assert by_comm_born[("prometheus", 1001)] == "lab: service prometheus"
     # pid 101 again, born after the first 101 ended: its own tree, not the play's
     assert by_comm_born[("tar", 1050)] == "controller: tar"
+    assert {by_comm_born[("python", 1055)], by_comm_born[("python", 1056)], by_comm_born[("gloo_tcp_loop", 1060)]} \
+        == {"lab: vLLM servers (start and serve)"}
 
 
 def test_summary_sums_cpu_and_kernel_share_per_tree(pacct):
     shares = acct_cpu.by_category(_linked(pacct))
     vllm = shares["lab: vLLM servers (start and serve)"]
-    assert (round(vllm.cpu_s, 2), round(vllm.sys_s, 2), vllm.processes) == (20.0, 1.0, 3)
+    assert (round(vllm.cpu_s, 2), round(vllm.sys_s, 2), vllm.processes) == (26.0, 1.0, 6)
     assert round(shares["controller: ansible-playbook and its task workers"].cpu_s, 2) == 3.4
     text = acct_cpu.summary(pacct)
-    assert "13 processes, 35 CPU-s (4 of it in the kernel)" in text
+    assert "16 processes, 41 CPU-s (4 of it in the kernel)" in text
     assert text.splitlines()[2].endswith("lab: vLLM servers (start and serve)")
 
 
