@@ -14,8 +14,7 @@ or inside a lab (a lab's processes are the controller's too, in a child pid name
 
 A process's command name is the name of its last thread to exit (vLLM's worker often ends as
 `gloo_tcp_loop`, its engine as `python`), so a vLLM tree is known by its top (the venv's `python`) or by
-any of vLLM's names in it. Processes still
-running when accounting stops are not in the file.
+any of vLLM's names in it. Processes still running when accounting stops are not in the file.
 """
 
 from __future__ import annotations
@@ -45,7 +44,6 @@ class Process:
     lived_s: float
     user_s: float
     sys_s: float
-    minor_faults: int
     comm: str
     parent: Process | None = field(default=None, repr=False)
     children: list[Process] = field(default_factory=list, repr=False)
@@ -61,11 +59,11 @@ def read(path: Path) -> list[Process]:
     processes = []
     for offset in range(0, len(data) - RECORD.size + 1, RECORD.size):
         (_flag, version, _tty, _exit, _uid, _gid, pid, ppid, born, lived, user, system, _mem, _io, _rw,
-         minor, _major, _swaps, comm) = RECORD.unpack_from(data, offset)
+         _minor, _major, _swaps, comm) = RECORD.unpack_from(data, offset)
         if version != ACCT_VERSION_3:
             raise ValueError(f"{path}: record {offset // RECORD.size} is acct version {version}, not 3")
         processes.append(Process(pid, ppid, born, lived / AHZ, comp_t(user) / AHZ, comp_t(system) / AHZ,
-                                 comp_t(minor), comm.split(b"\0", 1)[0].decode(errors="replace")))
+                                 comm.split(b"\0", 1)[0].decode(errors="replace")))
     return processes
 
 
@@ -125,7 +123,7 @@ def category(process: Process) -> str:
         # The vLLM unit starts the venv's `python` (the other services are Prometheus, exporters on the
         # system python3, Open WebUI, the router): its tree counts even when no process in it ended under
         # vLLM's names, as when the engine died first and its worker went to the lab's init.
-        if top.comm == "python" or tree_has_vllm(top) or any(is_vllm(p) for p in below):
+        if top.comm == "python" or tree_has_vllm(top):  # the whole tree: the process is in it
             return "lab: vLLM servers (start and serve)"
         return f"lab: service {top.comm}"
     for name in names:
