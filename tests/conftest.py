@@ -85,7 +85,7 @@ OWN_LAB_MODULES = {"test_lab_image", "test_fleet_lab", "test_reboot_lab"}
 # that no long unit starts last (session 13: the longest group started fourth and ended the run alone).
 FIRST_GROUPS = [ORIGIN_GROUP, "no-lab", TRIXIE_GROUP, "lab-bare-bookworm", "lab-bare-trixie", "lab-test_lab_image",
                 "lab-test_reboot_lab"]
-TIMES_RECORD = ROOT / "tests" / "data" / "test-times" / "full-run-session23.json"
+TIMES_RECORD = ROOT / "tests" / "data" / "test-times" / "full-run-session25.json"
 
 
 def module_seconds(record: Path = TIMES_RECORD) -> dict[str, float]:
