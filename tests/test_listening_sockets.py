@@ -251,7 +251,6 @@ def test_unit_pids_reads_the_units_cgroup_with_its_sub_cgroups(tmp_path):
 
 # ------------------------------------------------------------------ where the profiles put vLLM's internal traffic
 
-PROFILES_FILE = ROOT / "roles" / "vllm_service" / "vars" / "profiles.yml"
 LOOPBACK_ENV = {"VLLM_HOST_IP": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
 
 
@@ -265,11 +264,10 @@ def spans_hosts(flags: dict) -> bool:
 
 
 def test_single_host_profiles_keep_vllms_internal_traffic_on_loopback_and_others_do_not():
-    import yaml
     from ansible_collections.gptoss.host.plugins.module_utils.profile_flags import profile_flags
+    from cpu_lab_vllm import vllm_profiles
 
-    profiles = yaml.safe_load(PROFILES_FILE.read_text())["vllm_service_profiles"]
-    for name, profile in profiles.items():
+    for name, profile in vllm_profiles().items():
         env = profile["env"]
         if spans_hosts(profile_flags(profile)):
             loopback = {k for k in (*LOOPBACK_ENV, "NCCL_SOCKET_IFNAME") if env.get(k) in ("127.0.0.1", "lo")}

