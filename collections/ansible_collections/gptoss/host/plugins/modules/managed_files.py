@@ -8,15 +8,15 @@ DOCUMENTATION = r"""
 module: managed_files
 short_description: Several small root-owned files whose content the controller holds, in one module run
 description:
-  - Why one module run: C(ansible.builtin.copy) and C(template) cost two module runs per file even when
-    nothing changes (a C(stat), then a C(file) for the attributes), and each run on the host starts Python
-    and compiles Ansible's module_utils from the module's zip again. The monitoring role's five console
-    pages were ten module runs on every converge (docs/measurements.md, session 16).
+  - One module run for all of them, because C(ansible.builtin.copy) and C(template) cost two module runs
+    per file even when nothing changes (a C(stat), then a C(file) for the attributes), and each run on the
+    host starts Python and compiles Ansible's module_utils from the module's zip again. The monitoring
+    role's five console pages were ten module runs on every converge (docs/measurements.md, session 16).
   - Every file is root:root with the one mode given. A file whose content, mode or owner differs is written to a
     temporary file in its folder (mode and owner set before a byte is written), fsynced and renamed over
     it (module_utils.atomic_file), so a reader sees the old file or the new one.
   - Every folder must exist before anything is written; a missing one fails the task naming it, with no
-    file of the list written, unless I(folder_mode) is given: then missing folders are made with that
+    file of the list written, unless I(folder_mode) is given, which makes missing folders with that
     mode. Check mode and diff report what would change, per file.
 options:
   files: {description: "Absolute path -> content (text, written as UTF-8).", type: dict, required: true}
