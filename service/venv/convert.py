@@ -207,9 +207,9 @@ def _stop_point(event: str) -> None:
         print(f"stop-point: {event}", file=sys.stderr, flush=True)
         # To this thread, not the process: a process-directed SIGSTOP may be taken by the main
         # thread, and until it has stopped the group this (job) thread runs on. Under load it
-        # finished and published a small shard first (test_sigterm_mid_write_removes_temp saw no
-        # temp file, 3 times in 180 stops beside two other runs). Sent to itself, the thread stops
-        # on its way back from the call and stops the others with it.
+        # finished and published a small shard first (test_sigterm_mid_write_removes_temp found no
+        # temp file in 3 of 180 stops, three converters at once on 2 cores). Sent to itself, the
+        # thread stops on its way back from the call and stops the others with it.
         signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
