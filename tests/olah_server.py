@@ -137,7 +137,12 @@ class Olah:
         self.workdir.mkdir(parents=True, exist_ok=True)
         config = self.config()
         with self.log.open("ab") as log:
-            self.proc = subprocess.Popen([str(self.venv / "bin" / "olah-cli"), "-c", str(config)],
+            # olah's own entry point, run by the venv's interpreter rather than through its `olah-cli`
+            # script: a script's first line names the interpreter by the path the venv was built
+            # through, so a .cache reached by another path (a moved clone) would keep a script that
+            # cannot start.
+            entry = "import sys; from olah.server import cli; sys.argv[0] = 'olah-cli'; sys.exit(cli())"
+            self.proc = subprocess.Popen([str(self.venv / "bin" / "python"), "-c", entry, "-c", str(config)],
                                          cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
         deadline = time.monotonic() + timeout
