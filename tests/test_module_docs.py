@@ -26,3 +26,4 @@ def test_ansible_doc_reads_every_module_with_its_examples_and_return_values():
         assert entry["doc"]["short_description"], name
         assert entry["doc"]["description"], name
         assert entry["examples"].strip(), name
+        assert entry["return"], name
